@@ -1,0 +1,61 @@
+"""kvcr-core: the engine-neutral KV Cache Runner (pool, index, eviction, hints, keys, metrics).
+
+Importing this package loads no engine, torch or nixl (tests/test_import_purity.py).
+"""
+
+from kvcr_core._version import __version__
+from kvcr_core.config import KVCRConfig, MemoryBacking, load_config
+from kvcr_core.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    HintRejected,
+    HintRejectReason,
+    KVCRError,
+    UnknownNamespaceError,
+)
+from kvcr_core.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, resolve_policy
+from kvcr_core.index import BlockIndex, Lease, Reservation
+from kvcr_core.keys import NamespaceSpec, block_keys, namespace_digest, router_hashes
+from kvcr_core.memory import HostRegion, RegionKind, SlotPool
+from kvcr_core.metrics import RunnerMetrics
+from kvcr_core.runner import NamespaceStore, Runner
+from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId, RouterHash, SlotId, SlotState
+
+__all__ = [
+    "ARCPolicy",
+    "BlockIndex",
+    "BlockKey",
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "EvictionPolicy",
+    "HintRejectReason",
+    "HintRejected",
+    "HostRegion",
+    "KVCRConfig",
+    "KVCRError",
+    "LRUPolicy",
+    "Lease",
+    "MemoryBacking",
+    "NamespaceDigest",
+    "NamespaceSpec",
+    "NamespaceStore",
+    "OpId",
+    "OwnerId",
+    "RegionKind",
+    "Reservation",
+    "RouterHash",
+    "Runner",
+    "RunnerMetrics",
+    "SlotId",
+    "SlotPool",
+    "SlotState",
+    "UnknownNamespaceError",
+    "__version__",
+    "block_keys",
+    "load_config",
+    "namespace_digest",
+    "resolve_policy",
+    "router_hashes",
+]

@@ -1,0 +1,1 @@
+"""The `kvcr` command line (entry point: kvcr_core.cli.main:main)."""

@@ -1,0 +1,243 @@
+"""The Runner: one object per process that owns pool memory, block indexes and metrics.
+
+Each namespace (kvcr_core.keys) gets its own `NamespaceStore`: a `SlotPool` (page-aligned
+slots of the namespace's block size), a `BlockIndex` and an eviction policy, behind one lock.
+Callers copy bytes themselves between `reserve`/`commit` (writes) and `acquire`/`release`
+(reads); the store only hands out slots, so copies run outside the lock and in parallel.
+Engines never see another namespace's blocks.
+
+Threading: every public method is thread-safe. Nothing here spins or starts threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig, MemoryBacking
+from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
+from kvcr_core.eviction import make_policy, resolve_policy
+from kvcr_core.index import BlockIndex, Lease, Reservation
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.memory import HostRegion, RegionKind, SlotPool
+from kvcr_core.metrics import CapacityResource, IndexOp, RunnerMetrics
+from kvcr_core.types import LOCAL_OWNER, BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
+
+_REGION_KIND = {MemoryBacking.MEMFD: RegionKind.MEMFD,
+                MemoryBacking.ANONYMOUS: RegionKind.ANONYMOUS}
+
+
+class NamespaceStore:
+    """Pool + index + policy of one namespace. All index calls hold `lock`."""
+
+    def __init__(self, digest: NamespaceDigest, pool: SlotPool, index: BlockIndex,
+                 metrics: RunnerMetrics) -> None:
+        self.digest = digest
+        self.pool = pool
+        self.index = index
+        self.lock = threading.Lock()
+        self._metrics = metrics
+        self._clock = time.perf_counter
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pool.slot_bytes
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        start = self._clock()
+        with self.lock:
+            hit = self.index.lookup(keys)
+        m = self._metrics
+        m.observe_op(IndexOp.LOOKUP, self._clock() - start)
+        m.lookups.inc()
+        m.lookup_hit_blocks.inc(hit)
+        m.lookup_miss_blocks.inc(len(keys) - hit)
+        return hit
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self.lock:
+            return self.index.contains(keys)
+
+    def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER) -> Reservation:
+        start = self._clock()
+        with self.lock:
+            evicted_before = self.index.evictions
+            table_full = self.index.open_reservations >= self.index.max_reservations
+            res = self.index.reserve(keys, owner)
+            evicted = self.index.evictions - evicted_before
+        m = self._metrics
+        m.observe_op(IndexOp.RESERVE, self._clock() - start)
+        if evicted:
+            m.evictions.inc(evicted)
+        if res.refused:
+            m.refused(CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS,
+                      res.refused)
+        return res
+
+    def commit(self, op: OpId) -> int:
+        start = self._clock()
+        with self.lock:
+            n = self.index.commit(op)
+        m = self._metrics
+        m.observe_op(IndexOp.COMMIT, self._clock() - start)
+        if n:
+            m.blocks_stored.inc(n)
+            m.bytes_stored.inc(n * self.pool.slot_bytes)
+        return n
+
+    def abort(self, op: OpId) -> int:
+        start = self._clock()
+        with self.lock:
+            n = self.index.abort(op)
+        self._metrics.observe_op(IndexOp.ABORT, self._clock() - start)
+        if n:
+            self._metrics.blocks_aborted.inc(n)
+        return n
+
+    def acquire(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
+                prefix_only: bool = True) -> Lease:
+        start = self._clock()
+        with self.lock:
+            table_full = self.index.open_leases >= self.index.max_leases
+            lease = self.index.acquire(keys, owner, prefix_only=prefix_only)
+        m = self._metrics
+        m.observe_op(IndexOp.ACQUIRE, self._clock() - start)
+        if lease.granted:
+            m.blocks_loaded.inc(lease.granted)
+            m.bytes_loaded.inc(lease.granted * self.pool.slot_bytes)
+        elif table_full:
+            m.refused(CapacityResource.LEASES)
+        return lease
+
+    def release(self, op: OpId) -> bool:
+        start = self._clock()
+        with self.lock:
+            ok = self.index.release(op)
+        self._metrics.observe_op(IndexOp.RELEASE, self._clock() - start)
+        return ok
+
+    def drop_owner(self, owner: OwnerId) -> tuple[int, int]:
+        with self.lock:
+            aborted, released = self.index.drop_owner(owner)
+        return aborted, released
+
+    def view(self, slot: SlotId) -> memoryview:
+        return self.pool.view(slot)
+
+    # -- copy helpers: reserve + copy + commit, acquire + copy + release ---------------------
+
+    def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
+        """Copies `blocks[i]` in for every key not already present; returns blocks stored."""
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        res = self.reserve(keys)
+        if not res.granted:
+            return 0
+        try:
+            write = self.pool.write
+            for slot, block in zip(res.slots, blocks, strict=True):
+                if slot is not None:
+                    write(slot, block)
+        except BaseException:
+            self.abort(res.op)
+            raise
+        return self.commit(res.op)
+
+    def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """Bytes of the longest READY prefix of `keys` (copied out under a lease)."""
+        lease = self.acquire(keys)
+        try:
+            view = self.pool.view
+            return [bytes(view(slot)) for slot in lease.slots[:lease.granted]]
+        finally:
+            self.release(lease.op)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Runner:
+    """Owns every namespace's pool within `config.pool_bytes`, and the metrics."""
+
+    def __init__(self, config: KVCRConfig | None = None, *,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config = config or KVCRConfig()
+        resolve_policy(self.config.eviction_policy)  # fail at construction, not first write
+        self.metrics = RunnerMetrics(registry if registry is not None else CollectorRegistry())
+        self._stores: dict[NamespaceDigest, NamespaceStore] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.metrics.bind_pool_gauges(self._used_bytes, self._capacity_bytes)
+
+    def open_namespace(self, namespace: NamespaceSpec | NamespaceDigest, block_bytes: int, *,
+                       pool_bytes: int | None = None, prefault: bool = False) -> NamespaceStore:
+        """The namespace's store, created on first use with slots of `block_bytes`.
+
+        Its pool takes `pool_bytes` (default: the config's per-namespace size), bounded by
+        what is left of `config.pool_bytes`. Opening again with the same block size returns
+        the same store; another block size is an error (the bytes would not be compatible).
+        """
+        digest = namespace.digest() if isinstance(namespace, NamespaceSpec) else namespace
+        with self._lock:
+            if self._closed:
+                raise ClosedError("runner is closed")
+            store = self._stores.get(digest)
+            if store is not None:
+                if store.block_bytes != block_bytes:
+                    raise ValueError(f"namespace {digest.hex()} holds blocks of "
+                                     f"{store.block_bytes} bytes, not {block_bytes}")
+                return store
+            cfg = self.config
+            want = pool_bytes or cfg.namespace_pool_bytes or cfg.pool_bytes
+            left = cfg.pool_bytes - sum(s.pool.region.size_bytes for s in self._stores.values())
+            slots = min(want, left) // SlotPool.region_bytes_for(1, block_bytes)
+            if slots < 1:
+                self.metrics.refused(CapacityResource.SLOTS)
+                raise CapacityError(
+                    f"no pool room for namespace {digest.hex()}: {left} of {cfg.pool_bytes} "
+                    f"bytes left, a block needs {block_bytes}; raise pool_bytes")
+            region = HostRegion.create(SlotPool.region_bytes_for(slots, block_bytes),
+                                       _REGION_KIND[cfg.memory_backing],
+                                       f"kvcr-{digest.hex()[:12]}")
+            if prefault:
+                region.prefault()
+            index = BlockIndex(slots, make_policy(cfg.eviction_policy, slots),
+                               max_reservations=cfg.max_reservations,
+                               max_leases=cfg.max_leases)
+            store = NamespaceStore(digest, SlotPool(region, block_bytes), index, self.metrics)
+            self._stores[digest] = store
+            return store
+
+    def namespace(self, digest: NamespaceDigest) -> NamespaceStore:
+        try:
+            return self._stores[digest]
+        except KeyError:
+            raise UnknownNamespaceError(digest.hex()) from None
+
+    @property
+    def namespaces(self) -> tuple[NamespaceDigest, ...]:
+        return tuple(self._stores)
+
+    def _used_bytes(self) -> float:
+        return float(sum(s.index.used_slots * s.pool.stride_bytes
+                         for s in list(self._stores.values())))
+
+    def _capacity_bytes(self) -> float:
+        return float(sum(s.pool.capacity_slots * s.pool.stride_bytes
+                         for s in list(self._stores.values())))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            stores, self._stores = self._stores, {}
+        for store in stores.values():
+            store.close()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

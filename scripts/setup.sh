@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates .venv (pip + venv, as docs/FACTS require for the vLLM venv later) and installs the
+# kvcr packages editable with their test tools. Idempotent: a stamp of the package manifests
+# skips the install when nothing changed.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+venv="$root/.venv"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv"
+  "$py" -m venv "$venv"
+fi
+
+stamp="$venv/.kvcr-setup-stamp"
+want=$(cat scripts/setup.sh packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+
+echo "setup: installing kvcr packages (editable) into $venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  -e "packages/kvcr-core[test]" ruff
+echo "$want" > "$stamp"
+echo "setup: done"
