@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvcr_core import config as config_module
 from kvcr_core.config import (
     FIELD_NAMES,

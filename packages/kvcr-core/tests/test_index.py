@@ -15,7 +15,7 @@ def make(capacity: int = 4, **kw: int) -> BlockIndex:
 
 
 def test_filling_blocks_are_invisible_until_commit() -> None:
-    """A reserved block is never found by lookup or acquire before commit (no half-written reads)."""
+    """A reserved block is invisible to lookup and acquire until commit (no torn reads)."""
     idx = make()
     keys = random_keys(3)
     res = idx.reserve(keys)

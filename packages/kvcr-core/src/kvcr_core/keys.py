@@ -50,7 +50,8 @@ class NamespaceSpec:
     def __post_init__(self) -> None:
         for name in ("model_id", "dtype", "kv_dtype", "layout"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"namespace.{name}", getattr(self, name), "give a non-empty string")
+                raise ConfigError(f"namespace.{name}", getattr(self, name),
+                                  "give a non-empty string")
         for name in ("block_size_tokens", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -106,7 +106,8 @@ def _copy_row(block_bytes: int, total_bytes: int, reps: int) -> dict[str, Any]:
         r_base.append(_median_time(memcpy_out, 1))
         r_kvcr.append(_median_time(kvcr_out, 1))
     assert store.index.ready_blocks == n, "benchmark blocks were evicted or refused"
-    del sources, src, dst
+    for chunk in sources:
+        chunk.release()
     runner.close()
     source.close()
     baseline.close()

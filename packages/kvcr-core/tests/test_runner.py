@@ -1,0 +1,153 @@
+"""The Runner facade: namespaces, byte-exact store/load, pool budget and metrics."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig, MemoryBacking
+from kvcr_core.errors import CapacityError, ClosedError, ConfigError, UnknownNamespaceError
+from kvcr_core.keys import NamespaceSpec, sequence_keys
+from kvcr_core.runner import Runner
+from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.types import NamespaceDigest
+
+BLOCK = 8192
+SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=16,
+                     num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def runner(registry: CollectorRegistry) -> Runner:
+    r = Runner(KVCRConfig(pool_bytes=64 * BLOCK), registry=registry)
+    yield r
+    r.close()
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_store_then_load_is_byte_exact(runner: Runner) -> None:
+    """Blocks stored under token-derived keys come back byte for byte, prefix only."""
+    store = runner.open_namespace(SPEC, BLOCK)
+    keys = sequence_keys(SPEC, list(range(16 * 6)))
+    blocks = [pattern_block(k, BLOCK) for k in keys]
+    assert store.store(keys[:4], blocks[:4]) == 4
+    assert store.store(keys[:4], blocks[:4]) == 0  # already present: nothing copied
+    assert store.lookup(keys) == 4
+    assert store.load(keys) == blocks[:4]
+
+
+def test_namespaces_never_share_blocks(runner: Runner) -> None:
+    """Another namespace never sees a block, even under the same key."""
+    other = NamespaceSpec(**{**SPEC.__dict__, "tenant": "other"})
+    a = runner.open_namespace(SPEC, BLOCK, pool_bytes=16 * BLOCK)
+    b = runner.open_namespace(other, BLOCK, pool_bytes=16 * BLOCK)
+    keys = random_keys(2)
+    a.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    assert a.lookup(keys) == 2 and b.lookup(keys) == 0
+    assert runner.namespace(SPEC.digest()) is a
+    with pytest.raises(UnknownNamespaceError):
+        runner.namespace(NamespaceDigest(bytes(16)))
+
+
+def test_reopen_same_namespace_and_geometry_mismatch(runner: Runner) -> None:
+    """Reopening returns the same store; a different block size is refused (incompatible)."""
+    store = runner.open_namespace(SPEC, BLOCK)
+    assert runner.open_namespace(SPEC, BLOCK) is store
+    with pytest.raises(ValueError, match="blocks of 8192 bytes"):
+        runner.open_namespace(SPEC, BLOCK * 2)
+
+
+def test_pool_budget_is_shared_and_bounded(registry: CollectorRegistry) -> None:
+    """Namespaces split pool_bytes; when none is left, opening another is a CapacityError."""
+    cfg = KVCRConfig(pool_bytes=10 * BLOCK, namespace_pool_bytes=6 * BLOCK,
+                     memory_backing=MemoryBacking.ANONYMOUS)
+    with Runner(cfg, registry=registry) as runner:
+        a = runner.open_namespace(NamespaceDigest(b"a" * 16), BLOCK)
+        b = runner.open_namespace(NamespaceDigest(b"b" * 16), BLOCK)
+        assert a.pool.capacity_slots == 6 and b.pool.capacity_slots == 4
+        with pytest.raises(CapacityError, match="raise pool_bytes"):
+            runner.open_namespace(NamespaceDigest(b"c" * 16), BLOCK)
+        assert sample(registry, "kvcr_pool_capacity_bytes") == 10 * BLOCK
+
+
+def test_metrics_move_with_operations(runner: Runner, registry: CollectorRegistry) -> None:
+    """Lookups, hits, stores, loads, evictions, refusals and latencies are all counted."""
+    store = runner.open_namespace(SPEC, BLOCK, pool_bytes=2 * BLOCK)
+    keys = random_keys(4)
+    store.store(keys[:2], [pattern_block(k, BLOCK) for k in keys[:2]])
+    store.lookup(keys)
+    store.load(keys[:1])
+    lease = store.acquire(keys[:2])
+    refused = store.reserve(keys[2:])  # both slots leased: refused
+    assert refused.refused == 2
+    store.release(lease.op)
+    store.store(keys[2:3], [pattern_block(keys[2], BLOCK)])  # evicts one
+    assert sample(registry, "kvcr_lookups_total") == 1
+    assert sample(registry, "kvcr_lookup_hit_blocks_total") == 2
+    assert sample(registry, "kvcr_lookup_miss_blocks_total") == 2
+    assert sample(registry, "kvcr_blocks_stored_total") == 3
+    assert sample(registry, "kvcr_stored_bytes_total") == 3 * BLOCK
+    assert sample(registry, "kvcr_blocks_loaded_total") == 3
+    assert sample(registry, "kvcr_loaded_bytes_total") == 3 * BLOCK
+    assert sample(registry, "kvcr_evictions_total") == 1
+    assert sample(registry, "kvcr_capacity_refusals_total", resource="slots") == 2
+    assert sample(registry, "kvcr_pool_used_bytes") == 2 * BLOCK
+    assert sample(registry, "kvcr_index_operation_seconds_count", op="reserve") == 3
+    assert sample(registry, "kvcr_index_operation_seconds_count", op="lookup") == 1
+
+
+def test_failed_copy_aborts_the_reservation(runner: Runner) -> None:
+    """A copy that raises leaves no READY block and no held slot."""
+    store = runner.open_namespace(SPEC, BLOCK)
+    keys = random_keys(2)
+    with pytest.raises(ValueError, match="slots hold"):
+        store.store(keys, [pattern_block(keys[0], BLOCK), b"short"])
+    assert store.lookup(keys) == 0 and store.index.used_slots == 0
+
+
+def test_concurrent_writers_and_readers_stay_consistent(runner: Runner) -> None:
+    """Threads storing overlapping keys and reading them never see foreign bytes."""
+    store = runner.open_namespace(SPEC, BLOCK, pool_bytes=32 * BLOCK)
+    keys = random_keys(48)
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        for i in range(200):
+            batch = keys[(seed * 7 + i) % 40:(seed * 7 + i) % 40 + 4]
+            store.store(batch, [pattern_block(k, BLOCK) for k in batch])
+            lease = store.acquire(batch, prefix_only=False)
+            for key, slot in zip(batch, lease.slots, strict=True):
+                if slot is not None and bytes(store.view(slot)) != pattern_block(key, BLOCK):
+                    errors.append(key.hex())
+            store.release(lease.op)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    idx = store.index
+    assert idx.used_slots + idx.free_slots == idx.capacity_slots
+    assert idx.open_reservations == idx.open_leases == 0
+
+
+def test_closed_runner_and_bad_policy() -> None:
+    """A closed runner refuses use; a bad policy fails at construction with the fix."""
+    runner = Runner(KVCRConfig(pool_bytes=4 * BLOCK))
+    runner.close()
+    with pytest.raises(ClosedError):
+        runner.open_namespace(SPEC, BLOCK)
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        Runner(KVCRConfig(eviction_policy="nope.module:Policy"))
