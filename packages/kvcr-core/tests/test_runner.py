@@ -151,3 +151,18 @@ def test_closed_runner_and_bad_policy() -> None:
         runner.open_namespace(SPEC, BLOCK)
     with pytest.raises(ConfigError, match="eviction_policy"):
         Runner(KVCRConfig(eviction_policy="nope.module:Policy"))
+
+
+def test_runner_hint_intake_uses_config_limits(registry: CollectorRegistry) -> None:
+    """Hints go through the runner's intake: limits from config, outcomes in its metrics."""
+    with Runner(KVCRConfig(pool_bytes=4 * BLOCK, max_hint_hashes=2), registry=registry) as r:
+        envelope = {"protocol_version": "0.1", "actions": [{
+            "action_type": "kv.fetch", "action_version": "1.0",
+            "payload": {"source_control_endpoint": "tcp://10.0.0.7:7500",
+                        "block_hashes": [1, 2, 3]}}]}
+        assert r.hints.accept(envelope) is None
+        envelope["actions"][0]["payload"]["block_hashes"] = [1, 2]  # type: ignore[index]
+        hint = r.hints.accept(envelope)
+        assert hint is not None and hint.all_hashes() == {1, 2}
+    assert sample(registry, "kvcr_hints_total", outcome="too_many_hashes") == 1
+    assert sample(registry, "kvcr_hints_total", outcome="accepted") == 1

@@ -15,6 +15,7 @@ from kvcr_core.errors import (
     UnknownNamespaceError,
 )
 from kvcr_core.eviction import ARCPolicy, EvictionPolicy, LRUPolicy, resolve_policy
+from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint, parse_hint
 from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec, block_keys, namespace_digest, router_hashes
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
@@ -30,11 +31,15 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "EvictionPolicy",
+    "FetchAction",
+    "HintIntake",
+    "HintLimits",
     "HintRejectReason",
     "HintRejected",
     "HostRegion",
     "KVCRConfig",
     "KVCRError",
+    "KVHint",
     "LRUPolicy",
     "Lease",
     "MemoryBacking",
@@ -56,6 +61,7 @@ __all__ = [
     "block_keys",
     "load_config",
     "namespace_digest",
+    "parse_hint",
     "resolve_policy",
     "router_hashes",
 ]

@@ -65,12 +65,16 @@ class HostRegion:
 
     @classmethod
     def map_fd(cls, fd: int, size_bytes: int) -> HostRegion:
-        """Maps a memfd received from another process; the region takes ownership of `fd`."""
-        actual = os.fstat(fd).st_size
-        if actual < size_bytes:
-            raise ValueError(f"memfd holds {actual} bytes, expected at least {size_bytes}")
-        return cls(mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED), size_bytes,
-                   RegionKind.MEMFD, fd)
+        """Maps a memfd received from another process and closes `fd` (the mapping keeps the
+        memory alive on its own, so a client holds no descriptor that could leak)."""
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size_bytes:
+                raise ValueError(f"memfd holds {actual} bytes, expected at least {size_bytes}")
+            mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return cls(mapping, size_bytes, RegionKind.MEMFD, None)
 
     @property
     def view(self) -> memoryview:
@@ -82,7 +86,8 @@ class HostRegion:
     def fd(self) -> int:
         """The memfd to pass to another process (SCM_RIGHTS). Anonymous regions have none."""
         if self._fd is None:
-            raise ValueError("an anonymous region has no fd; create it with RegionKind.MEMFD")
+            raise ValueError("this region has no fd to share: create it with RegionKind.MEMFD "
+                             "(a region mapped from a received fd cannot be passed on)")
         return self._fd
 
     def prefault(self) -> None:

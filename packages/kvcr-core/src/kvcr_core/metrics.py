@@ -14,6 +14,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcr_core.errors import HintRejectReason
+from kvcr_core.hints import HINT_ACCEPTED
 
 # Bucket edges in seconds, from 1 us (index ops) to 1 s (a slow batched copy).
 _OP_BUCKETS_S = (1e-6, 5e-6, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 2e-2, 0.1, 1.0)
@@ -34,7 +35,6 @@ class CapacityResource(enum.Enum):
     LEASES = "leases"
 
 
-HINT_ACCEPTED = "accepted"
 HINT_OUTCOMES = (HINT_ACCEPTED, *(r.value for r in HintRejectReason))
 
 

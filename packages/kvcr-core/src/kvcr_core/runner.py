@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
 from kvcr_core.eviction import make_policy, resolve_policy
+from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
@@ -151,7 +152,7 @@ class NamespaceStore:
         lease = self.acquire(keys)
         try:
             view = self.pool.view
-            return [bytes(view(slot)) for slot in lease.slots[:lease.granted]]
+            return [bytes(view(slot)) for slot in lease.slots if slot is not None]
         finally:
             self.release(lease.op)
 
@@ -160,13 +161,17 @@ class NamespaceStore:
 
 
 class Runner:
-    """Owns every namespace's pool within `config.pool_bytes`, and the metrics."""
+    """Owns every namespace's pool within `config.pool_bytes`, the metrics, and the hint
+    intake (`runner.hints.accept(raw)`: a validated `KVHint`, or None, counted)."""
 
     def __init__(self, config: KVCRConfig | None = None, *,
                  registry: CollectorRegistry | None = None) -> None:
         self.config = config or KVCRConfig()
         resolve_policy(self.config.eviction_policy)  # fail at construction, not first write
         self.metrics = RunnerMetrics(registry if registry is not None else CollectorRegistry())
+        self.hints = HintIntake(self.metrics, HintLimits(
+            max_actions=self.config.max_hint_actions, max_hashes=self.config.max_hint_hashes,
+            max_bytes=self.config.max_hint_bytes))
         self._stores: dict[NamespaceDigest, NamespaceStore] = {}
         self._lock = threading.Lock()
         self._closed = False

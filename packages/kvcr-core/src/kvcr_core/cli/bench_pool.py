@@ -38,7 +38,7 @@ TARGETS = {"min_ratio_vs_memcpy_256k": (">=", 0.85), "lookup_1000_keys_us": ("<=
            "index_ops_per_s": (">=", 500_000.0), "index_bytes_per_block": ("<=", 200.0)}
 
 
-def _median_time(fn: Callable[[], None], reps: int) -> float:
+def _median_time(fn: Callable[[], object], reps: int) -> float:
     times = []
     for _ in range(reps):
         start = time.perf_counter()

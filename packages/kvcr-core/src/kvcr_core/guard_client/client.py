@@ -1,0 +1,300 @@
+"""`GuardClient`: an engine's attachment to a kvcr-guard daemon.
+
+Attach = connect to the Unix socket, send `Hello` (namespace, block size, identity, pid),
+receive `Welcome` and the pool memfd (SCM_RIGHTS), map it. After that the client copies KV
+bytes straight into and out of pool slots; only keys, slot numbers and op ids cross the
+socket, batched so one engine step costs one round trip (`batch`).
+
+Failure model (fail open): any socket error, timeout or refusal raises `GuardUnavailable`
+and detaches; the caller recomputes instead of using the cache. The next call re-attaches,
+no sooner than an exponential backoff (50 ms doubling to 5 s) after the last failure, so a
+dead daemon costs nothing per request. A re-attached daemon may be a new one (cold) or the
+same one after our own restart (warm: its READY blocks are all there).
+
+Threading: every public method is thread-safe (one lock around each round trip). The
+mapping of a previous attachment stays valid while the caller holds views into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from kvcr_core.errors import KVCRError
+from kvcr_core.guard_client import protocol as p
+from kvcr_core.index import NO_OP, Lease, Reservation
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.memory import HostRegion, SlotPool
+from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
+
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 5.0
+
+
+class GuardUnavailable(KVCRError):
+    """The daemon cannot be reached or refused us: carry on without the cache."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"kvcr-guard unavailable ({reason}): {detail}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attachment:
+    owner: OwnerId
+    digest: NamespaceDigest
+    pool: SlotPool
+
+
+def _slots(values: list[int]) -> tuple[SlotId | None, ...]:
+    return tuple(None if v == p.NO_SLOT else SlotId(v) for v in values)
+
+
+class GuardClient:
+    """One namespace's view of a kvcr-guard pool, through one Unix socket connection."""
+
+    def __init__(self, socket_path: str, namespace: NamespaceSpec, block_bytes: int, *,
+                 identity: str = "", timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.namespace = namespace
+        self.block_bytes = block_bytes
+        self.identity = identity or f"pid-{os.getpid()}"
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._attachment: Attachment | None = None
+        self._seq = 0
+        self._backoff_s = 0.0
+        self._next_attempt = 0.0
+        self._closed = False
+        self.attach_count = 0
+
+    # -- attachment --------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def attachment(self) -> Attachment:
+        with self._lock:
+            self._ensure_attached()
+            assert self._attachment is not None
+            return self._attachment
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.attachment.pool
+
+    def attach(self) -> Attachment:
+        """Attaches now, ignoring the backoff (raises GuardUnavailable on failure)."""
+        with self._lock:
+            self._next_attempt = 0.0
+            self._ensure_attached()
+            assert self._attachment is not None
+            return self._attachment
+
+    def _ensure_attached(self) -> None:
+        if self._closed:
+            raise GuardUnavailable("closed", "the client was closed by its owner")
+        if self._sock is not None:
+            return
+        now = time.monotonic()
+        if now < self._next_attempt:
+            raise GuardUnavailable("backoff", f"retrying in {self._next_attempt - now:.2f} s")
+        try:
+            self._connect()
+        except GuardUnavailable:
+            self._fail()
+            raise
+        except (OSError, msgspec.MsgspecError, ValueError) as exc:
+            self._fail()
+            raise GuardUnavailable("attach_failed", str(exc)) from None
+        self._backoff_s = 0.0
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            hello = p.Hello(p.PROTOCOL_VERSION, dataclasses.asdict(self.namespace),
+                            self.block_bytes, self.identity, os.getpid())
+            sock.sendall(p.encode_frame(hello))
+            message, fds = self._read_frame(sock, with_fds=True)
+            if isinstance(message, p.Goodbye):
+                raise GuardUnavailable(message.reason, message.detail)
+            if not isinstance(message, p.Welcome) or len(fds) != 1:
+                raise GuardUnavailable("protocol", f"expected Welcome with one fd, got {message}")
+        except BaseException:
+            sock.close()
+            raise
+        region = HostRegion.map_fd(fds[0], message.region_bytes)
+        pool = SlotPool(region, message.slot_bytes)
+        if pool.stride_bytes != message.stride_bytes or \
+                pool.capacity_slots != message.capacity_slots:
+            region.close()
+            sock.close()
+            raise GuardUnavailable("protocol", "pool geometry disagrees with the daemon's")
+        self._sock = sock
+        self._attachment = Attachment(OwnerId(message.owner),
+                                      NamespaceDigest(message.namespace_digest), pool)
+        self.attach_count += 1
+
+    def _read_frame(self, sock: socket.socket, *, with_fds: bool = False
+                    ) -> tuple[p.Welcome | p.Goodbye | p.Reply, list[int]]:
+        fds: list[int] = []
+        header = bytearray()
+        while len(header) < p.FRAME_HEADER.size:
+            if with_fds and not fds:
+                data, got, _, _ = socket.recv_fds(sock, p.FRAME_HEADER.size - len(header), 4)
+                fds.extend(got)
+            else:
+                data = sock.recv(p.FRAME_HEADER.size - len(header))
+            if not data:
+                raise GuardUnavailable("disconnected", "the daemon closed the connection")
+            header += data
+        (length,) = p.FRAME_HEADER.unpack(header)
+        if length > p.MAX_FRAME_BYTES:
+            raise GuardUnavailable("protocol", f"daemon announced a {length}-byte frame")
+        payload = bytearray(length)
+        view = memoryview(payload)
+        got_bytes = 0
+        while got_bytes < length:
+            n = sock.recv_into(view[got_bytes:])
+            if n == 0:
+                raise GuardUnavailable("disconnected", "the daemon closed mid-frame")
+            got_bytes += n
+        return p.decode_daemon(payload), fds
+
+    def _fail(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._backoff_s = min(_BACKOFF_MAX_S, max(_BACKOFF_FIRST_S, self._backoff_s * 2))
+        self._next_attempt = time.monotonic() + self._backoff_s
+
+    # -- operations --------------------------------------------------------------------------
+
+    def batch(self, ops: Sequence[p.Op]) -> list[p.Result]:
+        """Runs `ops` in one round trip; results in order. Raises GuardUnavailable."""
+        with self._lock:
+            self._ensure_attached()
+            sock = self._sock
+            assert sock is not None
+            self._seq += 1
+            try:
+                sock.sendall(p.encode_frame(p.Request(self._seq, list(ops))))
+                reply, _ = self._read_frame(sock)
+            except GuardUnavailable:
+                self._fail()
+                raise
+            except (OSError, msgspec.MsgspecError) as exc:
+                self._fail()
+                raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+            if isinstance(reply, p.Goodbye):
+                self._fail()
+                raise GuardUnavailable(reply.reason, reply.detail)
+            if not isinstance(reply, p.Reply) or reply.seq != self._seq or \
+                    len(reply.results) != len(ops):
+                self._fail()
+                raise GuardUnavailable("protocol", "reply does not match the request")
+            return reply.results
+
+    def _one(self, op: p.Op) -> p.Result:
+        result = self.batch([op])[0]
+        if isinstance(result, p.Refused):
+            raise GuardUnavailable(result.reason, result.detail)
+        return result
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        result = self._one(p.Lookup(list(keys)))
+        assert isinstance(result, p.Count)
+        return result.n
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        result = self._one(p.Contains(list(keys)))
+        assert isinstance(result, p.Flags)
+        return result.values
+
+    def reserve(self, keys: Sequence[BlockKey]) -> Reservation:
+        result = self._one(p.Reserve(list(keys)))
+        assert isinstance(result, p.Slots)
+        return Reservation(OpId(result.op), _slots(result.slots), result.granted, result.refused)
+
+    def commit(self, op: OpId) -> int:
+        if op == NO_OP:
+            return 0
+        result = self._one(p.Commit(op))
+        assert isinstance(result, p.Count)
+        return result.n
+
+    def abort(self, op: OpId) -> int:
+        if op == NO_OP:
+            return 0
+        result = self._one(p.Abort(op))
+        assert isinstance(result, p.Count)
+        return result.n
+
+    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease:
+        result = self._one(p.Acquire(list(keys), prefix_only))
+        assert isinstance(result, p.Slots)
+        return Lease(OpId(result.op), _slots(result.slots), result.granted)
+
+    def release(self, op: OpId) -> bool:
+        if op == NO_OP:
+            return False
+        result = self._one(p.Release(op))
+        assert isinstance(result, p.Done)
+        return result.ok
+
+    def stats(self) -> p.PoolStats:
+        result = self._one(p.Stats())
+        assert isinstance(result, p.PoolStats)
+        return result
+
+    # -- copy helpers ------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
+        """reserve + copy + commit; returns blocks stored. Raises GuardUnavailable."""
+        res = self.reserve(keys)
+        if not res.granted:
+            return 0
+        pool = self.pool
+        try:
+            for slot, block in zip(res.slots, blocks, strict=True):
+                if slot is not None:
+                    pool.write(slot, block)
+        except BaseException:
+            self.abort(res.op)
+            raise
+        return self.commit(res.op)
+
+    def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
+        """Bytes of the longest READY prefix (acquire + copy + release)."""
+        lease = self.acquire(keys)
+        pool = self.pool
+        try:
+            return [bytes(pool.view(slot)) for slot in lease.slots if slot is not None]
+        finally:
+            self.release(lease.op)
+
+    def close(self) -> None:
+        """Detaches and unmaps (the mapping stays if the caller still holds slot views)."""
+        with self._lock:
+            self._closed = True
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._attachment is not None:
+                # With slot views still exported the mapping stays until they go.
+                with contextlib.suppress(BufferError):
+                    self._attachment.pool.close()
+                self._attachment = None

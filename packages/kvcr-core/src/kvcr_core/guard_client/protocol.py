@@ -1,0 +1,191 @@
+"""The kvcr-guard attach protocol, version 1: framed msgpack messages over a Unix socket.
+
+Frame: 4-byte little-endian payload length, then a msgpack payload of one tagged message.
+Frames are bounded (`MAX_FRAME_BYTES`); a bigger announced length is a protocol violation.
+Order: the client sends `Hello` first and once; the daemon answers `Welcome` with the pool's
+memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and closes. Then each `Request` carries a
+strictly increasing `seq` and a batch of operations (one engine step = one round trip); the
+daemon answers one `Reply` with one result per operation, in order. Anything else (unknown
+tag, wrong version, a second Hello, a request before Hello, a seq that does not increase,
+too many ops or keys) closes the connection with a counted, logged reason; the daemon and
+its other clients are unaffected.
+
+Pure data and codecs; thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 1 << 20
+MAX_OPS_PER_REQUEST: Final = 256
+MAX_KEYS_PER_OP: Final = 8192
+FRAME_HEADER = struct.Struct("<I")
+NO_SLOT: Final = -1
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+# -- client -> daemon -------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    protocol: int
+    namespace: dict[str, Any]
+    block_bytes: int
+    identity: str
+    pid: int
+
+
+class Lookup(_Msg, tag="lookup"):
+    keys: list[bytes]
+
+
+class Contains(_Msg, tag="contains"):
+    keys: list[bytes]
+
+
+class Reserve(_Msg, tag="reserve"):
+    keys: list[bytes]
+
+
+class Commit(_Msg, tag="commit"):
+    op: int
+
+
+class Abort(_Msg, tag="abort"):
+    op: int
+
+
+class Acquire(_Msg, tag="acquire"):
+    keys: list[bytes]
+    prefix_only: bool = True
+
+
+class Release(_Msg, tag="release"):
+    op: int
+
+
+class Stats(_Msg, tag="stats"):
+    pass
+
+
+Op = Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats
+
+
+class Request(_Msg, tag="request"):
+    seq: int
+    ops: list[Op]
+
+
+# -- daemon -> client -------------------------------------------------------------------------
+
+
+class Welcome(_Msg, tag="welcome"):
+    protocol: int
+    owner: int
+    namespace_digest: bytes
+    slot_bytes: int
+    stride_bytes: int
+    capacity_slots: int
+    region_bytes: int
+
+
+class Goodbye(_Msg, tag="goodbye"):
+    reason: str
+    detail: str
+
+
+class Count(_Msg, tag="count"):
+    n: int
+
+
+class Flags(_Msg, tag="flags"):
+    values: list[bool]
+
+
+class Slots(_Msg, tag="slots"):
+    op: int
+    slots: list[int]  # NO_SLOT where the key got none
+    granted: int
+    refused: int
+
+
+class Done(_Msg, tag="done"):
+    ok: bool
+
+
+class PoolStats(_Msg, tag="pool_stats"):
+    capacity_slots: int
+    ready_blocks: int
+    filling_blocks: int
+    free_slots: int
+    leased_slots: int
+    open_reservations: int
+    open_leases: int
+    evictions: int
+
+
+class Refused(_Msg, tag="refused"):
+    reason: str
+    detail: str
+
+
+Result = Count | Flags | Slots | Done | PoolStats | Refused
+
+
+class Reply(_Msg, tag="reply"):
+    seq: int
+    results: list[Result]
+
+
+ClientMessage = Hello | Request
+DaemonMessage = Welcome | Goodbye | Reply
+
+
+class CloseReason(enum.Enum):
+    """Why the daemon closed a connection (bounded metrics label)."""
+
+    EOF = "eof"
+    OVERSIZED_FRAME = "oversized_frame"
+    MALFORMED = "malformed"
+    WRONG_VERSION = "wrong_version"
+    OUT_OF_ORDER = "out_of_order"
+    TOO_MANY_OPS = "too_many_ops"
+    BAD_NAMESPACE = "bad_namespace"
+    NOT_ALLOWED = "not_allowed"
+    SHUTDOWN = "shutdown"
+    CLIENT_DIED = "client_died"
+
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
+
+
+def encode_frame(message: _Msg) -> bytes:
+    payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Request:
+    """Raises msgspec.DecodeError / ValidationError on anything that is not a client message."""
+    return _client_decoder.decode(payload)
+
+
+def decode_daemon(payload: bytes | bytearray | memoryview) -> Welcome | Goodbye | Reply:
+    return _daemon_decoder.decode(payload)
+
+
+def op_key_count(op: Op) -> int:
+    keys = getattr(op, "keys", None)
+    return 0 if keys is None else len(keys)
