@@ -5,6 +5,8 @@ Contract for a policy (built-in or `module:Class`, constructed as `Policy(capaci
 - `on_access(slot, key)`: a resident block was read (a lease was taken on it).
 - `on_remove(slot, key, evicted)`: the residency ended (`evicted` False when it was dropped
   for another reason, e.g. cleared).
+- optional `on_ready_many(slots, keys)` / `on_access_many(slots, keys)`: the same for a batch,
+  in order (the index calls them once per batch when present; it loops otherwise).
 - `victims()`: resident slots in eviction order, best victim first. The mechanism skips slots
   that are leased and stops iterating before it mutates anything, so an iterator over live
   structures is fine.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import array
 import importlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvcr_core.errors import ConfigError
@@ -77,6 +79,24 @@ class LRUPolicy:
 
     def on_remove(self, slot: SlotId, key: BlockKey, evicted: bool) -> None:
         self._unlink(slot)
+
+    def on_ready_many(self, slots: Sequence[SlotId], keys: Sequence[BlockKey]) -> None:
+        self.on_access_many(slots, keys)
+
+    def on_access_many(self, slots: Sequence[SlotId], keys: Sequence[BlockKey]) -> None:
+        """Moves each slot to the MRU end, in order: one loop, locals only (hot path)."""
+        head, prev, nxt = self._head, self._prev, self._next
+        for slot in slots:
+            p = prev[slot]
+            if p >= 0:
+                n = nxt[slot]
+                nxt[p] = n
+                prev[n] = p
+            last = prev[head]
+            nxt[last] = slot
+            prev[slot] = last
+            nxt[slot] = head
+            prev[head] = slot
 
     def victims(self) -> Iterator[SlotId]:
         head, nxt = self._head, self._next

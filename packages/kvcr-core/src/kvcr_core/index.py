@@ -19,14 +19,15 @@ import array
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcr_core.eviction import EvictionPolicy
 from kvcr_core.types import LOCAL_OWNER, BlockKey, OpId, OwnerId, SlotId, SlotState
 
 log = logging.getLogger(__name__)
 
-_FREE, _FILLING, _READY = SlotState.FREE, SlotState.FILLING, SlotState.READY
+# Plain ints on hot paths (IntEnum members are measurably slower in bytearray stores).
+_FREE, _FILLING, _READY = int(SlotState.FREE), int(SlotState.FILLING), int(SlotState.READY)
 NO_OP = OpId(0)
 
 
@@ -82,6 +83,8 @@ class BlockIndex:
         self._op_ids = itertools.count(1)
         self.evictions = 0
         self.policy_faults = 0
+        self._ready_many = getattr(policy, "on_ready_many", None)
+        self._access_many = getattr(policy, "on_access_many", None)
 
     # -- queries (no side effects) ---------------------------------------------------------
 
@@ -149,22 +152,26 @@ class BlockIndex:
         if self._open_reservations >= self.max_reservations:
             return Reservation(NO_OP, (None,) * len(keys), 0, len(keys))
         ready, filling, state, key_of = self._ready, self._filling, self._state, self._key_of
+        free, take_slot = self._free, self._take_slot
         out: list[SlotId | None] = []
         op_keys: list[BlockKey] = []
         op_slots: list[SlotId] = []
+        seen_slots: list[SlotId] = []
+        seen_keys: list[BlockKey] = []
         refused = 0
-        for i, key in enumerate(keys):
+        for key in keys:
             present = ready.get(key)
             if present is not None:
-                self._policy_access(present, key)
+                seen_slots.append(present)
+                seen_keys.append(key)
                 out.append(None)
                 continue
             if key in filling:
                 out.append(None)
                 continue
-            slot = self._take_slot()
+            slot = free.pop() if free else take_slot()
             if slot is None:
-                refused = len(keys) - i
+                refused = len(keys) - len(out)
                 out.extend([None] * refused)
                 break
             state[slot] = _FILLING
@@ -173,6 +180,8 @@ class BlockIndex:
             op_keys.append(key)
             op_slots.append(slot)
             out.append(slot)
+        if seen_slots:
+            self._notify(self._access_many, self.policy.on_access, seen_slots, seen_keys)
         if not op_slots:
             return Reservation(NO_OP, tuple(out), 0, refused)
         op = self._open_op(_Op(owner, True, op_keys, op_slots))
@@ -185,13 +194,14 @@ class BlockIndex:
         if record is None:
             return 0
         ready, filling, state = self._ready, self._filling, self._state
-        # Newest block first, so the head of a sequence is the most recent and LRU trims
-        # sequences from the tail (a chain without its head is useless to lookup).
-        for key, slot in zip(reversed(record.keys), reversed(record.slots), strict=True):
+        for key, slot in zip(record.keys, record.slots, strict=True):
             del filling[key]
             state[slot] = _READY
             ready[key] = slot
-            self._policy_ready(slot, key)
+        # Newest block first, so the head of a sequence is the most recent and LRU trims
+        # sequences from the tail (a chain without its head is useless to lookup).
+        self._notify(self._ready_many, self.policy.on_ready,
+                     record.slots[::-1], record.keys[::-1])
         return len(record.slots)
 
     def abort(self, op: OpId) -> int:
@@ -231,8 +241,7 @@ class BlockIndex:
         out.extend([None] * (len(keys) - len(out)))
         if not op_slots:
             return Lease(NO_OP, tuple(out), 0)
-        for key, slot in zip(reversed(op_keys), reversed(op_slots), strict=True):
-            self._policy_access(slot, key)
+        self._notify(self._access_many, self.policy.on_access, op_slots[::-1], op_keys[::-1])
         op = self._open_op(_Op(owner, False, op_keys, op_slots))
         return Lease(op, tuple(out), len(op_slots))
 
@@ -346,16 +355,15 @@ class BlockIndex:
         self._key_of[slot] = None
         self._free.append(slot)
 
-    def _policy_ready(self, slot: SlotId, key: BlockKey) -> None:
+    def _notify(self, many: Callable[[list[SlotId], list[BlockKey]], None] | None,
+                one: Callable[[SlotId, BlockKey], None], slots: list[SlotId],
+                keys: list[BlockKey]) -> None:
         try:
-            self.policy.on_ready(slot, key)
+            if many is not None:
+                many(slots, keys)
+            else:
+                for slot, key in zip(slots, keys, strict=True):
+                    one(slot, key)
         except Exception:
             self.policy_faults += 1
-            log.exception("eviction policy on_ready failed")
-
-    def _policy_access(self, slot: SlotId, key: BlockKey) -> None:
-        try:
-            self.policy.on_access(slot, key)
-        except Exception:
-            self.policy_faults += 1
-            log.exception("eviction policy on_access failed")
+            log.exception("eviction policy hook failed")
