@@ -23,6 +23,6 @@ fi
 echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -e "packages/kvcr-core[test]" ruff mypy types-PyYAML
+  -e "packages/kvcr-core[test]" -e packages/kvcr-guard ruff mypy types-PyYAML
 echo "$want" > "$stamp"
 echo "setup: done"

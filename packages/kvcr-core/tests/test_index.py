@@ -132,9 +132,22 @@ def test_drop_owner_reclaims_reservations_and_leases() -> None:
     dead = OwnerId(7)
     idx.acquire(keys[:1], dead)
     idx.reserve(keys[1:], dead)
-    assert idx.drop_owner(dead) == (1, 1)
+    assert idx.drop_owner(dead) == (2, 1)
     assert idx.lease_count(idx.slot_of(keys[0])) == 0  # type: ignore[arg-type]
     assert idx.lookup(keys) == 1 and idx.filling_blocks == 0 and idx.ops_of(dead) == frozenset()
+
+
+def test_foreign_ops_cannot_be_committed_or_released() -> None:
+    """A client can only commit, abort or release its own ops (op ids are guessable)."""
+    idx = make(4)
+    keys = random_keys(2)
+    alice, mallory = OwnerId(1), OwnerId(2)
+    res = idx.reserve(keys[:1], alice)
+    assert idx.commit(res.op, mallory) == 0 and idx.abort(res.op, mallory) == 0
+    assert idx.commit(res.op, alice) == 1
+    lease = idx.acquire(keys[:1], alice)
+    assert not idx.release(lease.op, mallory)
+    assert idx.release(lease.op, alice)
 
 
 def test_acquire_prefix_only_and_per_key() -> None:

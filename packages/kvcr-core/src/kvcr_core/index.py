@@ -188,9 +188,10 @@ class BlockIndex:
         self._open_reservations += 1
         return Reservation(op, tuple(out), len(op_slots), refused)
 
-    def commit(self, op: OpId) -> int:
-        """Publishes a reservation's slots as READY; returns how many. Unknown op: 0."""
-        record = self._close_op(op, writing=True)
+    def commit(self, op: OpId, owner: OwnerId | None = None) -> int:
+        """Publishes a reservation's slots as READY; returns how many. Unknown op, or one
+        that `owner` (when given) does not hold: 0, nothing changes."""
+        record = self._close_op(op, writing=True, owner=owner)
         if record is None:
             return 0
         ready, filling, state = self._ready, self._filling, self._state
@@ -204,9 +205,9 @@ class BlockIndex:
                      record.slots[::-1], record.keys[::-1])
         return len(record.slots)
 
-    def abort(self, op: OpId) -> int:
-        """Frees a reservation's slots unpublished; returns how many. Unknown op: 0."""
-        record = self._close_op(op, writing=True)
+    def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
+        """Frees a reservation's slots unpublished; returns how many. Unknown or foreign: 0."""
+        record = self._close_op(op, writing=True, owner=owner)
         if record is None:
             return 0
         for key, slot in zip(record.keys, record.slots, strict=True):
@@ -245,9 +246,9 @@ class BlockIndex:
         op = self._open_op(_Op(owner, False, op_keys, op_slots))
         return Lease(op, tuple(out), len(op_slots))
 
-    def release(self, op: OpId) -> bool:
-        """Ends a lease. Unknown or repeated op: False, nothing changes."""
-        record = self._close_op(op, writing=False)
+    def release(self, op: OpId, owner: OwnerId | None = None) -> bool:
+        """Ends a lease. Unknown, repeated or foreign op: False, nothing changes."""
+        record = self._close_op(op, writing=False, owner=owner)
         if record is None:
             return False
         counts = self._lease_count
@@ -260,13 +261,12 @@ class BlockIndex:
     def drop_owner(self, owner: OwnerId) -> tuple[int, int]:
         """Aborts every reservation and releases every lease of `owner` (a dead client).
 
-        Returns (reservations aborted, leases released). READY blocks stay.
+        Returns (blocks aborted, leases released). READY blocks stay.
         """
         aborted = released = 0
         for op in sorted(self._owner_ops.get(owner, ())):
             if self._ops[op].writing:
-                self.abort(op)
-                aborted += 1
+                aborted += self.abort(op)
             else:
                 self.release(op)
                 released += 1
@@ -293,9 +293,10 @@ class BlockIndex:
         owned.add(op)
         return op
 
-    def _close_op(self, op: OpId, *, writing: bool) -> _Op | None:
+    def _close_op(self, op: OpId, *, writing: bool, owner: OwnerId | None = None) -> _Op | None:
         record = self._ops.get(op)
-        if record is None or record.writing is not writing:
+        if record is None or record.writing is not writing or (
+                owner is not None and record.owner != owner):
             return None
         del self._ops[op]
         owned = self._owner_ops[record.owner]

@@ -78,10 +78,10 @@ class NamespaceStore:
                       res.refused)
         return res
 
-    def commit(self, op: OpId) -> int:
+    def commit(self, op: OpId, owner: OwnerId | None = None) -> int:
         start = self._clock()
         with self.lock:
-            n = self.index.commit(op)
+            n = self.index.commit(op, owner)
         m = self._metrics
         m.observe_op(IndexOp.COMMIT, self._clock() - start)
         if n:
@@ -89,10 +89,10 @@ class NamespaceStore:
             m.bytes_stored.inc(n * self.pool.slot_bytes)
         return n
 
-    def abort(self, op: OpId) -> int:
+    def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
         start = self._clock()
         with self.lock:
-            n = self.index.abort(op)
+            n = self.index.abort(op, owner)
         self._metrics.observe_op(IndexOp.ABORT, self._clock() - start)
         if n:
             self._metrics.blocks_aborted.inc(n)
@@ -113,16 +113,20 @@ class NamespaceStore:
             m.refused(CapacityResource.LEASES)
         return lease
 
-    def release(self, op: OpId) -> bool:
+    def release(self, op: OpId, owner: OwnerId | None = None) -> bool:
         start = self._clock()
         with self.lock:
-            ok = self.index.release(op)
+            ok = self.index.release(op, owner)
         self._metrics.observe_op(IndexOp.RELEASE, self._clock() - start)
         return ok
 
     def drop_owner(self, owner: OwnerId) -> tuple[int, int]:
+        """Aborts the reservations and releases the leases of a departed owner; returns
+        (blocks aborted, leases released)."""
         with self.lock:
             aborted, released = self.index.drop_owner(owner)
+        if aborted:
+            self._metrics.blocks_aborted.inc(aborted)
         return aborted, released
 
     def view(self, slot: SlotId) -> memoryview:
@@ -203,7 +207,8 @@ class Runner:
                 self.metrics.refused(CapacityResource.SLOTS)
                 raise CapacityError(
                     f"no pool room for namespace {digest.hex()}: {left} of {cfg.pool_bytes} "
-                    f"bytes left, a block needs {block_bytes}; raise pool_bytes")
+                    f"bytes left, a block needs {block_bytes}; raise pool_bytes, or set "
+                    "namespace_pool_bytes so several namespaces fit")
             region = HostRegion.create(SlotPool.region_bytes_for(slots, block_bytes),
                                        _REGION_KIND[cfg.memory_backing],
                                        f"kvcr-{digest.hex()[:12]}")

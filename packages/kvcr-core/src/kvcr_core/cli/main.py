@@ -1,8 +1,9 @@
 """`kvcr`: the operator's and router author's command line.
 
 Subcommands: `bench pool`, `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
-`--version`. Each subcommand lives in its own module and is imported only when chosen, so
-`kvcr --version` stays instant. Exit codes: 0 ok, 1 failed check, 2 usage error.
+`status --socket PATH`, `--version`. Each subcommand lives in its own module and is
+imported only when chosen, so `kvcr --version` stays instant.
+Exit codes: 0 ok, 1 failed check, 2 usage error.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-env", action="store_true",
                        help="ignore KVCR_* environment variables")
 
+    status = sub.add_parser("status", help="print the state of a kvcr-guard pool")
+    status.add_argument("--socket", required=True, help="the kvcr-guard socket path")
+    status.add_argument("--json", action="store_true", help="print JSON")
+
     keys = sub.add_parser("keys", help="print block keys and router hashes of a token list")
     keys.add_argument("--namespace", required=True,
                       help="namespace spec: a JSON object or @FILE with one (see docs/keys.md)")
@@ -52,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcr_core.cli.config_cmd import run_config_check
 
         return run_config_check(args.file, use_env=not args.no_env)
+    if args.command == "status":
+        from kvcr_core.cli.status_cmd import run_status
+
+        return run_status(args.socket, as_json=args.json)
     if args.command == "keys":
         from kvcr_core.cli.keys_cmd import run_keys
 

@@ -148,30 +148,15 @@ class GuardClient:
                                       NamespaceDigest(message.namespace_digest), pool)
         self.attach_count += 1
 
-    def _read_frame(self, sock: socket.socket, *, with_fds: bool = False
-                    ) -> tuple[p.Welcome | p.Goodbye | p.Reply, list[int]]:
-        fds: list[int] = []
-        header = bytearray()
-        while len(header) < p.FRAME_HEADER.size:
-            if with_fds and not fds:
-                data, got, _, _ = socket.recv_fds(sock, p.FRAME_HEADER.size - len(header), 4)
-                fds.extend(got)
-            else:
-                data = sock.recv(p.FRAME_HEADER.size - len(header))
-            if not data:
-                raise GuardUnavailable("disconnected", "the daemon closed the connection")
-            header += data
-        (length,) = p.FRAME_HEADER.unpack(header)
-        if length > p.MAX_FRAME_BYTES:
-            raise GuardUnavailable("protocol", f"daemon announced a {length}-byte frame")
-        payload = bytearray(length)
-        view = memoryview(payload)
-        got_bytes = 0
-        while got_bytes < length:
-            n = sock.recv_into(view[got_bytes:])
-            if n == 0:
-                raise GuardUnavailable("disconnected", "the daemon closed mid-frame")
-            got_bytes += n
+    @staticmethod
+    def _read_frame(sock: socket.socket, *, with_fds: bool = False
+                    ) -> tuple[p.Welcome | p.Goodbye | p.Reply | p.StatusReport, list[int]]:
+        try:
+            payload, fds = p.recv_frame(sock, max_fds=4 if with_fds else 0)
+        except ConnectionError as exc:
+            raise GuardUnavailable("disconnected", str(exc)) from None
+        except p.FrameError as exc:
+            raise GuardUnavailable("protocol", str(exc)) from None
         return p.decode_daemon(payload), fds
 
     def _fail(self) -> None:

@@ -2,13 +2,14 @@
 
 Frame: 4-byte little-endian payload length, then a msgpack payload of one tagged message.
 Frames are bounded (`MAX_FRAME_BYTES`); a bigger announced length is a protocol violation.
-Order: the client sends `Hello` first and once; the daemon answers `Welcome` with the pool's
-memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and closes. Then each `Request` carries a
-strictly increasing `seq` and a batch of operations (one engine step = one round trip); the
-daemon answers one `Reply` with one result per operation, in order. Anything else (unknown
-tag, wrong version, a second Hello, a request before Hello, a seq that does not increase,
-too many ops or keys) closes the connection with a counted, logged reason; the daemon and
-its other clients are unaffected.
+
+Order: the client sends `Hello` first and once (or a single `Probe` for status). The daemon
+answers `Welcome` with the pool's memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and
+closes. Then each `Request` carries a strictly increasing `seq` and a batch of operations
+(one engine step = one round trip); the daemon answers one `Reply` with one result per
+operation, in order. Anything else (unknown tag, wrong version, a second Hello, a request
+before Hello, a seq that does not increase, too many ops or keys) closes the connection with
+a counted, logged reason; the daemon and its other clients are unaffected.
 
 Pure data and codecs; thread-safe.
 """
@@ -16,6 +17,7 @@ Pure data and codecs; thread-safe.
 from __future__ import annotations
 
 import enum
+import socket
 import struct
 from typing import Any, Final
 
@@ -42,6 +44,13 @@ class Hello(_Msg, tag="hello"):
     block_bytes: int
     identity: str
     pid: int
+
+
+class Probe(_Msg, tag="probe"):
+    """An operator's status query (`kvcr status`): allowed instead of Hello, answered with
+    `StatusReport`, then the daemon closes the connection."""
+
+    protocol: int
 
 
 class Lookup(_Msg, tag="lookup"):
@@ -133,6 +142,10 @@ class PoolStats(_Msg, tag="pool_stats"):
     evictions: int
 
 
+class StatusReport(_Msg, tag="status"):
+    json: str
+
+
 class Refused(_Msg, tag="refused"):
     reason: str
     detail: str
@@ -146,8 +159,8 @@ class Reply(_Msg, tag="reply"):
     results: list[Result]
 
 
-ClientMessage = Hello | Request
-DaemonMessage = Welcome | Goodbye | Reply
+ClientMessage = Hello | Probe | Request
+DaemonMessage = Welcome | Goodbye | Reply | StatusReport
 
 
 class CloseReason(enum.Enum):
@@ -161,6 +174,8 @@ class CloseReason(enum.Enum):
     TOO_MANY_OPS = "too_many_ops"
     BAD_NAMESPACE = "bad_namespace"
     NOT_ALLOWED = "not_allowed"
+    TOO_MANY_CLIENTS = "too_many_clients"
+    CAPACITY = "capacity"
     SHUTDOWN = "shutdown"
     CLIENT_DIED = "client_died"
 
@@ -177,15 +192,51 @@ def encode_frame(message: _Msg) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
-def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Request:
+def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Probe | Request:
     """Raises msgspec.DecodeError / ValidationError on anything that is not a client message."""
     return _client_decoder.decode(payload)
 
 
-def decode_daemon(payload: bytes | bytearray | memoryview) -> Welcome | Goodbye | Reply:
+def decode_daemon(payload: bytes | bytearray | memoryview
+                  ) -> Welcome | Goodbye | Reply | StatusReport:
     return _daemon_decoder.decode(payload)
 
 
 def op_key_count(op: Op) -> int:
     keys = getattr(op, "keys", None)
     return 0 if keys is None else len(keys)
+
+
+class FrameError(ValueError):
+    """The peer announced a frame larger than `MAX_FRAME_BYTES`."""
+
+
+def recv_frame(sock: socket.socket, *, max_fds: int = 0) -> tuple[bytearray, list[int]]:
+    """One frame's payload from a blocking socket (and fds passed with its first bytes).
+
+    Raises ConnectionError when the peer closes, FrameError on an oversized length.
+    """
+    fds: list[int] = []
+    header = bytearray()
+    while len(header) < FRAME_HEADER.size:
+        want = FRAME_HEADER.size - len(header)
+        if max_fds and not fds:
+            data, got, _, _ = socket.recv_fds(sock, want, max_fds)
+            fds.extend(got)
+        else:
+            data = sock.recv(want)
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        header += data
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"peer announced a {length}-byte frame (limit {MAX_FRAME_BYTES})")
+    payload = bytearray(length)
+    view = memoryview(payload)
+    got_bytes = 0
+    while got_bytes < length:
+        n = sock.recv_into(view[got_bytes:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection mid-frame")
+        got_bytes += n
+    return payload, fds

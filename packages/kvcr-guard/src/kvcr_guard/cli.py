@@ -1,0 +1,70 @@
+"""`kvcr-guard` command line: flags (and an optional kvcr config file) -> `GuardConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvcr_core.config import load_config
+from kvcr_core.errors import ConfigError
+from kvcr_guard._version import __version__
+from kvcr_guard.config import GuardConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvcr-guard", description="Own the kvcr pool so KV cache outlives engine crashes "
+        "and is shared by every engine on the node.")
+    ap.add_argument("--version", action="version", version=f"kvcr-guard {__version__}")
+    ap.add_argument("--socket", required=True, help="Unix socket path to serve (mode 0600)")
+    ap.add_argument("--pool-bytes", help="total pool size, e.g. 8GiB (default from config)")
+    ap.add_argument("--namespace-pool-bytes",
+                    help="pool size per namespace (model/TP rank...), e.g. 2GiB")
+    ap.add_argument("--config", help="a kvcr config file (.json/.yaml); flags win over it")
+    ap.add_argument("--allowed-uid", type=int, action="append", default=None,
+                    help="uid allowed to attach (repeatable; default: this process's uid)")
+    ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus /metrics port (0 = any free port; default: off)")
+    ap.add_argument("--log-level", default=None,
+                    help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> GuardConfig:
+    overrides: dict[str, Any] = {}
+    if args.pool_bytes is not None:
+        overrides["pool_bytes"] = args.pool_bytes
+    if args.namespace_pool_bytes is not None:
+        overrides["namespace_pool_bytes"] = args.namespace_pool_bytes
+    if args.log_level is not None:
+        overrides["log_level"] = args.log_level
+    runner = load_config(args.config, overrides=overrides)
+    extra: dict[str, Any] = {}
+    if args.allowed_uid:
+        extra["allowed_uids"] = frozenset(args.allowed_uid)
+    return GuardConfig(socket_path=args.socket, runner=runner, metrics_host=args.metrics_host,
+                       metrics_port=args.metrics_port, **extra)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvcr-guard: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.runner.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvcr_guard.server import GuardServer
+
+    server = GuardServer(config)
+    try:
+        server.listen()
+    except (RuntimeError, OSError) as exc:
+        print(f"kvcr-guard: {exc}", file=sys.stderr)
+        return 1
+    return server.serve_forever()

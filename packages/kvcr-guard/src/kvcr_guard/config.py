@@ -1,0 +1,42 @@
+"""`GuardConfig`: the daemon's own settings, frozen and validated once; the pool settings are
+a `KVCRConfig` inside it (so `--config FILE` and `KVCR_*` variables work as for any Runner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from kvcr_core.config import KVCRConfig
+from kvcr_core.errors import ConfigError
+
+MAX_SOCKET_PATH_BYTES = 107
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    socket_path: str
+    runner: KVCRConfig = dataclasses.field(default_factory=KVCRConfig)
+    allowed_uids: frozenset[int] = dataclasses.field(
+        default_factory=lambda: frozenset({os.getuid()}))
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    max_clients: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise ConfigError("socket", self.socket_path, "give the Unix socket path to serve")
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError("socket", self.socket_path,
+                              f"Unix socket paths must be under {MAX_SOCKET_PATH_BYTES} bytes; "
+                              "use a shorter directory such as /run/kvcr")
+        parent = os.path.dirname(os.path.abspath(self.socket_path))
+        if not os.path.isdir(parent):
+            raise ConfigError("socket", self.socket_path, f"create the directory {parent} first")
+        if not self.allowed_uids or any(u < 0 for u in self.allowed_uids):
+            raise ConfigError("allowed_uids", sorted(self.allowed_uids),
+                              "give one or more non-negative uids")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", self.metrics_port, "give a port in 0..65535")
+        if self.max_clients < 1:
+            raise ConfigError("max_clients", self.max_clients, "give a positive count")

@@ -1,0 +1,157 @@
+"""`ClientSession`: the protocol state and operations of one attached client.
+
+A session starts NEW; a valid `Hello` opens (or joins) its namespace in the Runner and makes it
+ATTACHED with its own owner id; every reservation and lease it takes is tagged with that id,
+so its departure (`close`) aborts what it was writing and releases what it was reading,
+never publishing a half-written block. Ops name ids the session owns, or do nothing.
+A protocol violation raises `SessionClosed` with a bounded reason; the server closes the
+connection and nothing else is affected.
+
+Threading: used only by the server's loop thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from kvcr_core.errors import CapacityError, ConfigError
+from kvcr_core.guard_client import protocol as p
+from kvcr_core.guard_client.protocol import CloseReason
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.runner import NamespaceStore, Runner
+from kvcr_core.types import KEY_BYTES, BlockKey, OpId, OwnerId
+from kvcr_guard.metrics import GuardMetrics
+
+
+class SessionClosed(Exception):
+    """Close the connection; `goodbye` tells the client why first (when it is worth it)."""
+
+    def __init__(self, reason: CloseReason, detail: str, *, goodbye: bool = True) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.goodbye = goodbye
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    ATTACHED = "attached"
+
+
+class ClientSession:
+    def __init__(self, owner: OwnerId, peer_pid: int, runner: Runner, metrics: GuardMetrics,
+                 status: Callable[[], str]) -> None:
+        self.owner = owner
+        self.peer_pid = peer_pid
+        self.identity = ""
+        self.store: NamespaceStore | None = None
+        self._runner = runner
+        self._metrics = metrics
+        self._status = status
+        self._state = _State.NEW
+        self._seq = 0
+
+    @property
+    def attached(self) -> bool:
+        return self._state is _State.ATTACHED
+
+    def handle(self, payload: bytes | bytearray) -> tuple[bytes, list[int], bool]:
+        """One client frame -> (reply frame, fds to pass, close after sending)."""
+        try:
+            message = p.decode_client(payload)
+        except msgspec.MsgspecError as exc:
+            raise SessionClosed(CloseReason.MALFORMED, str(exc)) from None
+        if isinstance(message, p.Probe):
+            if self._state is not _State.NEW:
+                raise SessionClosed(CloseReason.OUT_OF_ORDER, "Probe after Hello")
+            return p.encode_frame(p.StatusReport(self._status())), [], True
+        if isinstance(message, p.Hello):
+            return self._hello(message)
+        return p.encode_frame(self._request(message)), [], False
+
+    def _hello(self, hello: p.Hello) -> tuple[bytes, list[int], bool]:
+        if self._state is not _State.NEW:
+            raise SessionClosed(CloseReason.OUT_OF_ORDER, "a second Hello")
+        if hello.protocol != p.PROTOCOL_VERSION:
+            raise SessionClosed(CloseReason.WRONG_VERSION,
+                                f"client speaks protocol {hello.protocol}, this daemon "
+                                f"{p.PROTOCOL_VERSION}; install matching kvcr versions")
+        try:
+            spec = NamespaceSpec.from_mapping(hello.namespace)
+            store = self._runner.open_namespace(spec, hello.block_bytes)
+        except (ConfigError, ValueError) as exc:
+            raise SessionClosed(CloseReason.BAD_NAMESPACE, str(exc)) from None
+        except CapacityError as exc:
+            raise SessionClosed(CloseReason.CAPACITY, str(exc)) from None
+        self.store = store
+        self.identity = hello.identity[:128]
+        self._state = _State.ATTACHED
+        self._metrics.attaches.inc()
+        pool = store.pool
+        welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, store.digest, pool.slot_bytes,
+                            pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes)
+        return p.encode_frame(welcome), [pool.region.fd], False
+
+    def _request(self, request: p.Request) -> p.Reply:
+        if self._state is not _State.ATTACHED or self.store is None:
+            raise SessionClosed(CloseReason.OUT_OF_ORDER, "a Request before Hello")
+        if request.seq <= self._seq:
+            raise SessionClosed(CloseReason.OUT_OF_ORDER,
+                                f"seq {request.seq} after {self._seq}: must increase")
+        if len(request.ops) > p.MAX_OPS_PER_REQUEST:
+            raise SessionClosed(CloseReason.TOO_MANY_OPS,
+                                f"{len(request.ops)} ops (limit {p.MAX_OPS_PER_REQUEST})")
+        self._seq = request.seq
+        start = time.perf_counter()
+        results = [self._run(op, self.store) for op in request.ops]
+        self._metrics.request_seconds.observe(time.perf_counter() - start)
+        self._metrics.requests.inc()
+        self._metrics.ops.inc(len(request.ops))
+        return p.Reply(request.seq, results)
+
+    def _keys(self, keys: list[bytes]) -> list[BlockKey]:
+        if len(keys) > p.MAX_KEYS_PER_OP:
+            raise SessionClosed(CloseReason.TOO_MANY_OPS,
+                                f"{len(keys)} keys in one op (limit {p.MAX_KEYS_PER_OP})")
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise SessionClosed(CloseReason.MALFORMED, f"block keys must be {KEY_BYTES} bytes")
+        return keys  # type: ignore[return-value]
+
+    def _run(self, op: p.Op, store: NamespaceStore) -> p.Result:
+        owner = self.owner
+        if isinstance(op, p.Lookup):
+            return p.Count(store.lookup(self._keys(op.keys)))
+        if isinstance(op, p.Contains):
+            return p.Flags(store.contains(self._keys(op.keys)))
+        if isinstance(op, p.Reserve):
+            res = store.reserve(self._keys(op.keys), owner)
+            return p.Slots(res.op, [p.NO_SLOT if s is None else s for s in res.slots],
+                           res.granted, res.refused)
+        if isinstance(op, p.Acquire):
+            lease = store.acquire(self._keys(op.keys), owner, prefix_only=op.prefix_only)
+            return p.Slots(lease.op, [p.NO_SLOT if s is None else s for s in lease.slots],
+                           lease.granted, 0)
+        if isinstance(op, p.Commit):
+            return p.Count(store.commit(OpId(op.op), owner))
+        if isinstance(op, p.Abort):
+            return p.Count(store.abort(OpId(op.op), owner))
+        if isinstance(op, p.Release):
+            return p.Done(store.release(OpId(op.op), owner))
+        idx = store.index
+        return p.PoolStats(idx.capacity_slots, idx.ready_blocks, idx.filling_blocks,
+                           idx.free_slots, idx.leased_slots, idx.open_reservations,
+                           idx.open_leases, idx.evictions)
+
+    def close(self) -> tuple[int, int]:
+        """The client is gone: abort its writes, release its reads. READY blocks stay."""
+        if self.store is None:
+            return 0, 0
+        aborted, released = self.store.drop_owner(self.owner)
+        self._metrics.reclaimed_blocks.inc(aborted)
+        self._metrics.reclaimed_leases.inc(released)
+        self.store = None
+        return aborted, released
