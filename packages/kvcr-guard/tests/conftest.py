@@ -1,0 +1,122 @@
+"""Fixtures that run a real kvcr-guard daemon and real client processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+WORKER = str(Path(__file__).with_name("guard_worker.py"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Guard:
+    """One daemon process on a short socket path; started and stopped by PID."""
+
+    def __init__(self, tmpdir: str, *extra: str) -> None:
+        self.dir = tmpdir
+        self.socket = os.path.join(tmpdir, "g.sock")
+        self.metrics_port = free_port()
+        self.log = open(os.path.join(tmpdir, "guard.log"), "ab")  # noqa: SIM115
+        self.args = [sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
+                     "--pool-bytes", "32MiB", "--namespace-pool-bytes", "8MiB", "--metrics-port", str(self.metrics_port), *extra]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Guard:
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvcr-guard exited {self.proc.returncode}: {self.logs()}")
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket)
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("kvcr-guard did not start")
+
+    def logs(self) -> str:
+        return Path(self.dir, "guard.log").read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=20)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+                       if labels else "")
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        raise KeyError(want)
+
+    def rss_anon_kib(self) -> int:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+        raise KeyError("RssAnon")
+
+
+def run_worker(guard: Guard, mode: str, *args: int, timeout: float = 60) -> dict[str, int]:
+    out = subprocess.run([sys.executable, WORKER, guard.socket, mode, *map(str, args)],
+                         capture_output=True, text=True, timeout=timeout, check=False)
+    assert out.returncode == 0, f"worker {mode} failed {out.returncode}: {out.stderr}"
+    result: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def start_worker(guard: Guard, mode: str, *args: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, WORKER, guard.socket, mode, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[str]:
+    """A short directory for Unix sockets (AF_UNIX paths are limited to ~107 bytes)."""
+    path = tempfile.mkdtemp(prefix="kg", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def guard(short_tmp: str) -> Iterator[Guard]:
+    g = Guard(short_tmp).start()
+    yield g
+    if g.proc is not None and g.proc.poll() is None:
+        assert g.stop() == 0, g.logs()
+    g.log.close()
+
+
+class Harness:
+    """What tests use besides the `guard` fixture (conftest is not importable as a module)."""
+
+    Guard = Guard
+    run_worker = staticmethod(run_worker)
+    start_worker = staticmethod(start_worker)
+
+
+@pytest.fixture
+def harness() -> type[Harness]:
+    return Harness

@@ -1,0 +1,176 @@
+"""kvcr-guard with real client processes: sharing, crashes, restarts, isolation, fail-open."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.keys import NamespaceSpec, sequence_keys
+from kvcr_core.testing import pattern_block
+
+BLOCK = 16384
+SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
+                     num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
+
+
+def keys_for(prompt: int, blocks: int) -> list[bytes]:
+    """The same keys guard_worker.py derives."""
+    return sequence_keys(SPEC, [prompt * 100_000 + t for t in range(16 * blocks)])
+
+
+def read_line(proc: subprocess.Popen[str]) -> dict[str, int]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read() if proc.stderr else "worker died"
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def test_two_processes_read_each_others_blocks_byte_exactly(guard, harness) -> None:
+    """Blocks stored by one engine process are read byte-exactly by another."""
+    assert harness.run_worker(guard, "store", 1, 8) == {"stored": 8}
+    assert harness.run_worker(guard, "store", 2, 5) == {"stored": 5}
+    assert harness.run_worker(guard, "read", 1, 8) == {"read": 8, "lookup": 8}
+    assert harness.run_worker(guard, "read", 2, 6) == {"read": 5, "lookup": 5}
+    assert guard.metric("kvcr_blocks_stored_total") == 13
+
+
+def test_client_killed_mid_write_never_publishes_and_others_go_on(guard, harness) -> None:
+    """SIGKILL during a write: the block never becomes READY, its slots come back."""
+    writer = harness.start_worker(guard, "hang-writing", 3, 6)
+    assert read_line(writer) == {"reserved": 6}
+    observer = GuardClient(guard.socket, SPEC, BLOCK)
+    assert observer.stats().filling_blocks == 6
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while observer.stats().filling_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = observer.stats()
+    assert stats.filling_blocks == 0 and stats.open_reservations == 0
+    assert observer.lookup(keys_for(3, 6)) == 0
+    assert stats.free_slots == stats.capacity_slots
+    assert guard.metric("kvcr_guard_reclaimed_blocks_total") == 6
+    assert harness.run_worker(guard, "store", 3, 6) == {"stored": 6}  # others unaffected
+    assert harness.run_worker(guard, "read", 3, 6) == {"read": 6, "lookup": 6}
+    observer.close()
+
+
+def test_killed_readers_leases_are_reclaimed(guard, harness) -> None:
+    """A client killed while holding leases gives them back (blocks become evictable)."""
+    harness.run_worker(guard, "store", 4, 4)
+    reader = harness.start_worker(guard, "hold-lease", 4, 4)
+    assert read_line(reader) == {"leased": 4}
+    observer = GuardClient(guard.socket, SPEC, BLOCK)
+    assert observer.stats().leased_slots == 4
+    reader.send_signal(signal.SIGKILL)
+    reader.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while observer.stats().leased_slots and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert observer.stats().leased_slots == 0 and observer.stats().open_leases == 0
+    assert observer.lookup(keys_for(4, 4)) == 4  # READY blocks stay
+    observer.close()
+
+
+def test_killed_and_restarted_client_is_warm(guard, harness) -> None:
+    """SIGKILL an engine after it stored blocks; the restarted engine finds them at once."""
+    engine = harness.start_worker(guard, "store-hang", 5, 7)
+    assert read_line(engine) == {"stored": 7}
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=10)
+    assert harness.run_worker(guard, "read", 5, 7) == {"read": 7, "lookup": 7}
+
+
+def test_reattach_with_same_identity_is_warm(guard) -> None:
+    """Detach and re-attach under the same identity: every READY block is there."""
+    keys = keys_for(10, 4)
+    first = GuardClient(guard.socket, SPEC, BLOCK, identity="engine-0")
+    first.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    first.close()
+    again = GuardClient(guard.socket, SPEC, BLOCK, identity="engine-0")
+    assert again.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    again.close()
+
+
+def test_namespaces_are_isolated(guard, harness) -> None:
+    """Clients of another namespace never see blocks, even with identical keys."""
+    harness.run_worker(guard, "store", 6, 3)
+    other = GuardClient(guard.socket, NamespaceSpec(**{**SPEC.__dict__, "tenant": "b"}), BLOCK)
+    assert other.lookup(keys_for(6, 3)) == 0
+    same = GuardClient(guard.socket, SPEC, BLOCK)
+    assert same.lookup(keys_for(6, 3)) == 3
+    other.close()
+    same.close()
+
+
+def test_daemon_death_fails_open_then_reattaches_cold(short_tmp, harness) -> None:
+    """Daemon killed: typed error, no hang; after it returns the client re-attaches (cold)."""
+    guard = harness.Guard(short_tmp).start()
+    client = GuardClient(guard.socket, SPEC, BLOCK, timeout_s=1.0)
+    keys = keys_for(7, 2)
+    assert client.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 2
+    guard.stop(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(GuardUnavailable):
+        client.lookup(keys)
+    with pytest.raises(GuardUnavailable, match="backoff|attach_failed"):
+        client.lookup(keys)
+    assert time.monotonic() - start < 2.0
+    guard.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert client.lookup(keys) == 0  # a new daemon: cold
+            break
+        except GuardUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert client.attach_count == 2
+    client.close()
+    assert guard.stop() == 0
+
+
+def test_sigterm_drains_and_exits_zero_and_leaves_nothing(short_tmp, harness) -> None:
+    """SIGTERM: clients get Goodbye, exit 0, socket file removed, no /dev/shm residue."""
+    shm_before = set(os.listdir("/dev/shm"))
+    guard = harness.Guard(short_tmp).start()
+    client = GuardClient(guard.socket, SPEC, BLOCK)
+    keys = keys_for(8, 2)
+    client.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    assert guard.stop(signal.SIGTERM) == 0
+    with pytest.raises(GuardUnavailable):
+        client.lookup(keys)
+    client.close()
+    guard.log.close()
+    assert not os.path.exists(guard.socket)
+    assert set(os.listdir("/dev/shm")) == shm_before
+    assert "shutting down" in guard.logs()
+
+
+def test_refuses_a_second_daemon_on_a_live_socket(guard) -> None:
+    """Starting a second daemon on a served socket fails clearly instead of stealing it."""
+    out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", guard.socket],
+                         capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 1 and "another kvcr-guard" in out.stderr
+
+
+def test_socket_mode_and_status_command(guard, harness) -> None:
+    """The socket is 0600; `kvcr status` shows the pool state an operator needs."""
+    assert os.stat(guard.socket).st_mode & 0o777 == 0o600
+    harness.run_worker(guard, "store", 9, 3)
+    kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
+    out = subprocess.run([kvcr, "status", "--socket", guard.socket, "--json"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    status = json.loads(out.stdout)
+    assert status["namespaces"][0]["ready_blocks"] == 3
+    assert status["namespaces"][0]["block_bytes"] == BLOCK
+    table = subprocess.run([kvcr, "status", "--socket", guard.socket], capture_output=True,
+                           text=True, timeout=30, check=True).stdout
+    assert "ready" in table and SPEC.digest().hex()[:16] in table
