@@ -35,7 +35,8 @@ class Guard:
         self.metrics_port = free_port()
         self.log = open(os.path.join(tmpdir, "guard.log"), "ab")  # noqa: SIM115
         self.args = [sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
-                     "--pool-bytes", "32MiB", "--namespace-pool-bytes", "8MiB", "--metrics-port", str(self.metrics_port), *extra]
+                     "--pool-bytes", "32MiB", "--namespace-pool-bytes", "8MiB",
+                     "--metrics-port", str(self.metrics_port), *extra]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Guard:

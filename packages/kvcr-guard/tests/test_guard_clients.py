@@ -120,7 +120,7 @@ def test_daemon_death_fails_open_then_reattaches_cold(short_tmp, harness) -> Non
     start = time.monotonic()
     with pytest.raises(GuardUnavailable):
         client.lookup(keys)
-    with pytest.raises(GuardUnavailable, match="backoff|attach_failed"):
+    with pytest.raises(GuardUnavailable, match=r"backoff|attach_failed"):
         client.lookup(keys)
     assert time.monotonic() - start < 2.0
     guard.start()
