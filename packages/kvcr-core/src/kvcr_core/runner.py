@@ -24,7 +24,7 @@ from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
-from kvcr_core.metrics import CapacityResource, IndexOp, RunnerMetrics
+from kvcr_core.metrics import CapacityResource, RunnerMetrics
 from kvcr_core.types import LOCAL_OWNER, BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
 
 _REGION_KIND = {MemoryBacking.MEMFD: RegionKind.MEMFD,
@@ -51,11 +51,7 @@ class NamespaceStore:
         start = self._clock()
         with self.lock:
             hit = self.index.lookup(keys)
-        m = self._metrics
-        m.observe_op(IndexOp.LOOKUP, self._clock() - start)
-        m.lookups.inc()
-        m.lookup_hit_blocks.inc(hit)
-        m.lookup_miss_blocks.inc(len(keys) - hit)
+        self._metrics.on_lookup(self._clock() - start, hit, len(keys) - hit)
         return hit
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -65,37 +61,28 @@ class NamespaceStore:
     def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER) -> Reservation:
         start = self._clock()
         with self.lock:
-            evicted_before = self.index.evictions
-            table_full = self.index.open_reservations >= self.index.max_reservations
-            res = self.index.reserve(keys, owner)
-            evicted = self.index.evictions - evicted_before
-        m = self._metrics
-        m.observe_op(IndexOp.RESERVE, self._clock() - start)
-        if evicted:
-            m.evictions.inc(evicted)
-        if res.refused:
-            m.refused(CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS,
-                      res.refused)
+            index = self.index
+            evicted_before = index.evictions
+            table_full = index.open_reservations >= index.max_reservations
+            res = index.reserve(keys, owner)
+            evicted = index.evictions - evicted_before
+        self._metrics.on_reserve(
+            self._clock() - start, evicted, res.refused,
+            CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS)
         return res
 
     def commit(self, op: OpId, owner: OwnerId | None = None) -> int:
         start = self._clock()
         with self.lock:
             n = self.index.commit(op, owner)
-        m = self._metrics
-        m.observe_op(IndexOp.COMMIT, self._clock() - start)
-        if n:
-            m.blocks_stored.inc(n)
-            m.bytes_stored.inc(n * self.pool.slot_bytes)
+        self._metrics.on_commit(self._clock() - start, n, self.pool.slot_bytes)
         return n
 
     def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
         start = self._clock()
         with self.lock:
             n = self.index.abort(op, owner)
-        self._metrics.observe_op(IndexOp.ABORT, self._clock() - start)
-        if n:
-            self._metrics.blocks_aborted.inc(n)
+        self._metrics.on_abort(self._clock() - start, n)
         return n
 
     def acquire(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
@@ -104,20 +91,15 @@ class NamespaceStore:
         with self.lock:
             table_full = self.index.open_leases >= self.index.max_leases
             lease = self.index.acquire(keys, owner, prefix_only=prefix_only)
-        m = self._metrics
-        m.observe_op(IndexOp.ACQUIRE, self._clock() - start)
-        if lease.granted:
-            m.blocks_loaded.inc(lease.granted)
-            m.bytes_loaded.inc(lease.granted * self.pool.slot_bytes)
-        elif table_full:
-            m.refused(CapacityResource.LEASES)
+        self._metrics.on_acquire(self._clock() - start, lease.granted, self.pool.slot_bytes,
+                                 refused=table_full and not lease.granted)
         return lease
 
     def release(self, op: OpId, owner: OwnerId | None = None) -> bool:
         start = self._clock()
         with self.lock:
             ok = self.index.release(op, owner)
-        self._metrics.observe_op(IndexOp.RELEASE, self._clock() - start)
+        self._metrics.on_release(self._clock() - start)
         return ok
 
     def drop_owner(self, owner: OwnerId) -> tuple[int, int]:
@@ -125,8 +107,7 @@ class NamespaceStore:
         (blocks aborted, leases released)."""
         with self.lock:
             aborted, released = self.index.drop_owner(owner)
-        if aborted:
-            self._metrics.blocks_aborted.inc(aborted)
+        self._metrics.on_reclaimed(aborted)
         return aborted, released
 
     def view(self, slot: SlotId) -> memoryview:

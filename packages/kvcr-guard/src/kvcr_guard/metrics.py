@@ -1,37 +1,71 @@
 """Daemon collectors (`kvcr_guard_*`), in the same injected registry as the Runner's.
 
-Labels are bounded enums: close reasons and reclaim kinds. Thread-safe.
+Hot-path cheap like the Runner's (kvcr_core.metrics.LightMetrics): plain ints under one
+lock, families built at scrape. Labels are bounded enums (close reasons). Thread-safe.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvcr_core.guard_client.protocol import CloseReason
+from kvcr_core.metrics import LightHistogram, LightMetrics
+
+_REQUEST_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2)
 
 
-class GuardMetrics:
+class GuardMetrics(LightMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.attaches = Counter("kvcr_guard_attaches_total", "Clients attached (Hello accepted)",
-                                registry=registry)
-        self.clients = Gauge("kvcr_guard_clients", "Clients attached now", registry=registry)
-        self.closed = Counter("kvcr_guard_connections_closed_total",
-                              "Connections closed, by reason", ["reason"], registry=registry)
-        self.requests = Counter("kvcr_guard_requests_total", "Request frames served",
-                                registry=registry)
-        self.ops = Counter("kvcr_guard_operations_total", "Operations served (inside requests)",
-                           registry=registry)
-        self.reclaimed_blocks = Counter(
-            "kvcr_guard_reclaimed_blocks_total",
-            "FILLING blocks of departed clients aborted (never published)", registry=registry)
-        self.reclaimed_leases = Counter(
-            "kvcr_guard_reclaimed_leases_total", "Leases of departed clients released",
-            registry=registry)
-        self.request_seconds = Histogram(
-            "kvcr_guard_request_seconds", "Time to serve one request frame",
-            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2),
-            registry=registry)
-        self._closed = {r: self.closed.labels(reason=r.value) for r in CloseReason}
+        super().__init__(registry)
+        self.attaches = self.clients = self.requests = self.ops = 0
+        self.reclaimed_blocks = self.reclaimed_leases = 0
+        self.closed = {r.value: 0 for r in CloseReason}
+        self.request_seconds = LightHistogram(_REQUEST_BUCKETS_S)
+        self.register()
 
-    def connection_closed(self, reason: CloseReason) -> None:
-        self._closed[reason].inc()
+    def on_attach(self) -> None:
+        with self.lock:
+            self.attaches += 1
+
+    def on_request(self, seconds: float, ops: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.ops += ops
+            self.request_seconds.observe(seconds)
+
+    def on_reclaim(self, blocks: int, leases: int) -> None:
+        with self.lock:
+            self.reclaimed_blocks += blocks
+            self.reclaimed_leases += leases
+
+    def connection_closed(self, reason: CloseReason, clients_now: int) -> None:
+        with self.lock:
+            self.closed[reason.value] += 1
+            self.clients = clients_now
+
+    def set_clients(self, clients_now: int) -> None:
+        with self.lock:
+            self.clients = clients_now
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            c = self.counter
+            yield c("kvcr_guard_attaches_total", "Clients attached (Hello accepted)",
+                    self.attaches)
+            yield GaugeMetricFamily("kvcr_guard_clients", "Clients attached now",
+                                    value=self.clients)
+            yield self.labelled("kvcr_guard_connections_closed_total",
+                                "Connections closed, by reason", "reason", dict(self.closed))
+            yield c("kvcr_guard_requests_total", "Request frames served", self.requests)
+            yield c("kvcr_guard_operations_total", "Operations served (inside requests)",
+                    self.ops)
+            yield c("kvcr_guard_reclaimed_blocks_total",
+                    "FILLING blocks of departed clients aborted (never published)",
+                    self.reclaimed_blocks)
+            yield c("kvcr_guard_reclaimed_leases_total", "Leases of departed clients released",
+                    self.reclaimed_leases)
+            yield self.histograms("kvcr_guard_request_seconds", "Time to serve one request frame",
+                                  "kind", {"request": self.request_seconds})

@@ -74,6 +74,10 @@ class GuardServer:
         self._next_owner = 1
         self._started = time.monotonic()
         self.metrics_port: int | None = None
+        # One receive buffer for all connections: a fresh 256 KiB bytes per recv would be an
+        # mmap/munmap pair (and page faults) per request.
+        self._recv_buf = bytearray(_RECV_BYTES)
+        self._recv_view = memoryview(self._recv_buf)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -175,16 +179,16 @@ class GuardServer:
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(_RECV_BYTES)
+            n = conn.sock.recv_into(self._recv_view)
         except BlockingIOError:
             return
         except OSError as exc:
             self._close(conn, CloseReason.EOF, str(exc))
             return
-        if not data:
+        if not n:
             self._close(conn, CloseReason.EOF, "client closed the connection")
             return
-        conn.inbuf += data
+        conn.inbuf += self._recv_view[:n]
         self._serve_frames(conn)
 
     def _serve_frames(self, conn: _Conn) -> None:
@@ -211,7 +215,7 @@ class GuardServer:
             if conn.session.attached and not conn.counted:
                 conn.counted = True
                 self._watch_pid(conn)
-                self.metrics.clients.set(sum(c.session.attached for c in self._conns.values()))
+                self.metrics.set_clients(sum(c.session.attached for c in self._conns.values()))
             self._send(conn, reply, fds)
             if close_after:
                 self._close(conn, CloseReason.EOF, "status served")
@@ -274,8 +278,8 @@ class GuardServer:
         conn.sock.close()
         was_attached = conn.session.attached
         aborted, released = conn.session.close()
-        self.metrics.connection_closed(reason)
-        self.metrics.clients.set(sum(c.session.attached for c in self._conns.values()))
+        self.metrics.connection_closed(
+            reason, sum(c.session.attached for c in self._conns.values()))
         level = logging.INFO if reason in (CloseReason.EOF, CloseReason.CLIENT_DIED,
                                            CloseReason.SHUTDOWN) else logging.WARNING
         log.log(level, "client %d (pid %d%s) closed: %s: %s; reclaimed %d filling blocks, "

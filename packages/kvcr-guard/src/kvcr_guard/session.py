@@ -23,7 +23,7 @@ from kvcr_core.guard_client import protocol as p
 from kvcr_core.guard_client.protocol import CloseReason
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import KEY_BYTES, BlockKey, OpId, OwnerId
+from kvcr_core.types import BlockKey, OpId, OwnerId
 from kvcr_guard.metrics import GuardMetrics
 
 
@@ -90,7 +90,7 @@ class ClientSession:
         self.store = store
         self.identity = hello.identity[:128]
         self._state = _State.ATTACHED
-        self._metrics.attaches.inc()
+        self._metrics.on_attach()
         pool = store.pool
         welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, store.digest, pool.slot_bytes,
                             pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes)
@@ -102,24 +102,15 @@ class ClientSession:
         if request.seq <= self._seq:
             raise SessionClosed(CloseReason.OUT_OF_ORDER,
                                 f"seq {request.seq} after {self._seq}: must increase")
-        if len(request.ops) > p.MAX_OPS_PER_REQUEST:
-            raise SessionClosed(CloseReason.TOO_MANY_OPS,
-                                f"{len(request.ops)} ops (limit {p.MAX_OPS_PER_REQUEST})")
         self._seq = request.seq
         start = time.perf_counter()
         results = [self._run(op, self.store) for op in request.ops]
-        self._metrics.request_seconds.observe(time.perf_counter() - start)
-        self._metrics.requests.inc()
-        self._metrics.ops.inc(len(request.ops))
+        self._metrics.on_request(time.perf_counter() - start, len(request.ops))
         return p.Reply(request.seq, results)
 
-    def _keys(self, keys: list[bytes]) -> list[BlockKey]:
-        if len(keys) > p.MAX_KEYS_PER_OP:
-            raise SessionClosed(CloseReason.TOO_MANY_OPS,
-                                f"{len(keys)} keys in one op (limit {p.MAX_KEYS_PER_OP})")
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise SessionClosed(CloseReason.MALFORMED, f"block keys must be {KEY_BYTES} bytes")
-        return keys  # type: ignore[return-value]
+    @staticmethod
+    def _keys(keys: list[bytes]) -> list[BlockKey]:
+        return keys  # type: ignore[return-value]  # length and count checked by the decoder
 
     def _run(self, op: p.Op, store: NamespaceStore) -> p.Result:
         owner = self.owner
@@ -151,7 +142,6 @@ class ClientSession:
         if self.store is None:
             return 0, 0
         aborted, released = self.store.drop_owner(self.owner)
-        self._metrics.reclaimed_blocks.inc(aborted)
-        self._metrics.reclaimed_leases.inc(released)
+        self._metrics.on_reclaim(aborted, released)
         self.store = None
         return aborted, released

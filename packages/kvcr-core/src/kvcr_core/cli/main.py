@@ -1,6 +1,6 @@
 """`kvcr`: the operator's and router author's command line.
 
-Subcommands: `bench pool`, `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
+Subcommands: `bench pool`, `bench guard`, `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
 `status --socket PATH`, `--version`. Each subcommand lives in its own module and is
 imported only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
@@ -25,6 +25,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pool = bench_sub.add_parser("pool", help="pool copy-in/out vs memcpy, index speed and size")
     pool.add_argument("--quick", action="store_true", help="short run (under 30 s)")
     pool.add_argument("--json", action="store_true", help="print one JSON object")
+    guard = bench_sub.add_parser(
+        "guard", help="copy path through kvcr-guard, control round trip, attach time")
+    guard.add_argument("--quick", action="store_true", help="short run")
+    guard.add_argument("--json", action="store_true", help="print one JSON object")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config", required=True)
@@ -49,6 +53,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "guard":
+        from kvcr_core.cli.bench_guard import run_guard_bench
+
+        return run_guard_bench(quick=args.quick, as_json=args.json)
     if args.command == "bench":
         from kvcr_core.cli.bench_pool import run_pool_bench
 

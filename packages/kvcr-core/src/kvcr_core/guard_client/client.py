@@ -23,7 +23,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -36,6 +37,7 @@ from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
 
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
+_MAX_IN_FLIGHT = 32
 
 
 class GuardUnavailable(KVCRError):
@@ -47,11 +49,53 @@ class GuardUnavailable(KVCRError):
         super().__init__(f"kvcr-guard unavailable ({reason}): {detail}")
 
 
+def _single(results: list[p.Result]) -> p.Slots:
+    result = results[0]
+    if isinstance(result, p.Refused):
+        raise GuardUnavailable(result.reason, result.detail)
+    if not isinstance(result, p.Slots):
+        raise GuardUnavailable("protocol", f"expected slots, got {type(result).__name__}")
+    return result
+
+
+def _as_reservation(results: list[p.Result]) -> Reservation:
+    r = _single(results)
+    return Reservation(OpId(r.op), _slots(r.slots), r.granted, r.refused)
+
+
+def _as_lease(results: list[p.Result]) -> Lease:
+    r = _single(results)
+    return Lease(OpId(r.op), _slots(r.slots), r.granted)
+
+
 @dataclasses.dataclass(frozen=True)
 class Attachment:
     owner: OwnerId
     digest: NamespaceDigest
     pool: SlotPool
+
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """Handle of a request in flight. `result()` waits for (and converts) its reply; it
+    raises GuardUnavailable if the connection failed meanwhile, or after the client's
+    `timeout_s` without an answer."""
+
+    __slots__ = ("_client", "_convert", "_value", "seq")
+
+    def __init__(self, client: GuardClient, seq: int,
+                 convert: Callable[[list[p.Result]], T]) -> None:
+        self._client = client
+        self._convert = convert
+        self._value: T | None = None
+        self.seq = seq
+
+    def result(self) -> T:
+        if self._value is None:
+            self._value = self._convert(self._client._await(self.seq))
+        return self._value
 
 
 def _slots(values: list[int]) -> tuple[SlotId | None, ...]:
@@ -75,7 +119,11 @@ class GuardClient:
         self._backoff_s = 0.0
         self._next_attempt = 0.0
         self._closed = False
+        self._owed: dict[int, int] = {}  # seq -> results expected, for every request in flight
+        self._arrived: dict[int, list[p.Result]] = {}  # replies read while awaiting another
+        self._deferred: dict[int, list[int]] = {}  # nowait seq -> committed op id (or -1)
         self.attach_count = 0
+        self.deferred_shortfalls = 0
 
     # -- attachment --------------------------------------------------------------------------
 
@@ -160,6 +208,9 @@ class GuardClient:
         return p.decode_daemon(payload), fds
 
     def _fail(self) -> None:
+        self._owed.clear()
+        self._arrived.clear()
+        self._deferred.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -169,29 +220,83 @@ class GuardClient:
     # -- operations --------------------------------------------------------------------------
 
     def batch(self, ops: Sequence[p.Op]) -> list[p.Result]:
-        """Runs `ops` in one round trip; results in order. Raises GuardUnavailable."""
+        """Runs `ops` in one round trip; results in order. Raises GuardUnavailable, or
+        ValueError for a batch over the protocol's bounds (a caller bug: split it)."""
+        return self.submit(ops).result()
+
+    def submit(self, ops: Sequence[p.Op]) -> Pending[list[p.Result]]:
+        """Sends `ops` now; the returned handle's `result()` waits for their reply. Several
+        requests may be in flight: the daemon answers a connection's frames in order."""
         with self._lock:
-            self._ensure_attached()
-            sock = self._sock
-            assert sock is not None
-            self._seq += 1
-            try:
-                sock.sendall(p.encode_frame(p.Request(self._seq, list(ops))))
-                reply, _ = self._read_frame(sock)
-            except GuardUnavailable:
-                self._fail()
-                raise
-            except (OSError, msgspec.MsgspecError) as exc:
-                self._fail()
-                raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+            seq = self._send(ops)
+        return Pending(self, seq, lambda results: results)
+
+    def submit_nowait(self, ops: Sequence[p.Op]) -> None:
+        """Sends `ops` and never waits for their reply (it is read and checked during a
+        later call). For commits and releases on the hot path: this client's next call
+        already sees their effect. A commit that turns out to publish nothing (its op
+        reclaimed) is counted in `deferred_shortfalls`; nothing unwritten is ever published."""
+        with self._lock:
+            seq = self._send(ops)
+            self._deferred[seq] = [op.op if isinstance(op, p.Commit) else -1 for op in ops]
+
+    def flush(self) -> None:
+        """Waits for every reply still owed (one Stats round trip)."""
+        self.batch([p.Stats()])
+
+    def _send(self, ops: Sequence[p.Op]) -> int:
+        if len(ops) > p.MAX_OPS_PER_REQUEST or any(
+                p.op_key_count(op) > p.MAX_KEYS_PER_OP for op in ops):
+            raise ValueError(f"a batch holds at most {p.MAX_OPS_PER_REQUEST} ops of at most "
+                             f"{p.MAX_KEYS_PER_OP} keys each")
+        self._ensure_attached()
+        while len(self._owed) >= _MAX_IN_FLIGHT:  # bounded: read replies before sending more
+            self._read_one()
+        assert self._sock is not None
+        self._seq += 1
+        try:
+            self._sock.sendall(p.encode_frame(p.Request(self._seq, list(ops))))
+        except OSError as exc:
+            self._fail()
+            raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+        self._owed[self._seq] = len(ops)
+        return self._seq
+
+    def _await(self, seq: int) -> list[p.Result]:
+        with self._lock:
+            while True:
+                results = self._arrived.pop(seq, None)
+                if results is not None:
+                    return results
+                if seq not in self._owed:
+                    raise GuardUnavailable("disconnected", "the request was lost with the "
+                                           "connection to the daemon")
+                self._read_one()
+
+    def _read_one(self) -> None:
+        """Reads one reply frame and files it (awaited, or a deferred one to check)."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            reply, _ = self._read_frame(sock)
             if isinstance(reply, p.Goodbye):
-                self._fail()
                 raise GuardUnavailable(reply.reason, reply.detail)
-            if not isinstance(reply, p.Reply) or reply.seq != self._seq or \
-                    len(reply.results) != len(ops):
-                self._fail()
-                raise GuardUnavailable("protocol", "reply does not match the request")
-            return reply.results
+            if not isinstance(reply, p.Reply) or self._owed.pop(reply.seq, -1) != len(
+                    reply.results):
+                raise GuardUnavailable("protocol", "a reply that matches no request")
+        except GuardUnavailable:
+            self._fail()
+            raise
+        except (OSError, msgspec.MsgspecError) as exc:
+            self._fail()
+            raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+        committed = self._deferred.pop(reply.seq, None)
+        if committed is None:
+            self._arrived[reply.seq] = reply.results
+            return
+        for op, result in zip(committed, reply.results, strict=True):
+            if op >= 0 and isinstance(result, p.Count) and result.n == 0:
+                self.deferred_shortfalls += 1
 
     def _one(self, op: p.Op) -> p.Result:
         result = self.batch([op])[0]
@@ -210,9 +315,11 @@ class GuardClient:
         return result.values
 
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation:
-        result = self._one(p.Reserve(list(keys)))
-        assert isinstance(result, p.Slots)
-        return Reservation(OpId(result.op), _slots(result.slots), result.granted, result.refused)
+        return self.reserve_async(keys).result()
+
+    def reserve_async(self, keys: Sequence[BlockKey]) -> Pending[Reservation]:
+        """Reserve now, collect the slots later (overlap the round trip with copying)."""
+        return Pending(self, self.submit([p.Reserve(list(keys))]).seq, _as_reservation)
 
     def commit(self, op: OpId) -> int:
         if op == NO_OP:
@@ -228,10 +335,23 @@ class GuardClient:
         assert isinstance(result, p.Count)
         return result.n
 
+    def commit_nowait(self, op: OpId) -> None:
+        """Publishes a reservation without waiting for the reply (see `submit_nowait`)."""
+        if op != NO_OP:
+            self.submit_nowait([p.Commit(op)])
+
+    def release_nowait(self, op: OpId) -> None:
+        """Ends a lease without waiting for the reply (see `submit_nowait`)."""
+        if op != NO_OP:
+            self.submit_nowait([p.Release(op)])
+
     def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease:
-        result = self._one(p.Acquire(list(keys), prefix_only))
-        assert isinstance(result, p.Slots)
-        return Lease(OpId(result.op), _slots(result.slots), result.granted)
+        return self.acquire_async(keys, prefix_only=prefix_only).result()
+
+    def acquire_async(self, keys: Sequence[BlockKey], *,
+                      prefix_only: bool = True) -> Pending[Lease]:
+        """Acquire now, collect the leased slots later."""
+        return Pending(self, self.submit([p.Acquire(list(keys), prefix_only)]).seq, _as_lease)
 
     def release(self, op: OpId) -> bool:
         if op == NO_OP:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -29,6 +29,10 @@ MAX_OPS_PER_REQUEST: Final = 256
 MAX_KEYS_PER_OP: Final = 8192
 FRAME_HEADER = struct.Struct("<I")
 NO_SLOT: Final = -1
+
+# Validated by the decoder (in C): a wrong key length or too many keys/ops is MALFORMED.
+Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True):
@@ -54,15 +58,15 @@ class Probe(_Msg, tag="probe"):
 
 
 class Lookup(_Msg, tag="lookup"):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Contains(_Msg, tag="contains"):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Reserve(_Msg, tag="reserve"):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Commit(_Msg, tag="commit"):
@@ -74,7 +78,7 @@ class Abort(_Msg, tag="abort"):
 
 
 class Acquire(_Msg, tag="acquire"):
-    keys: list[bytes]
+    keys: Keys
     prefix_only: bool = True
 
 
@@ -91,7 +95,7 @@ Op = Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats
 
 class Request(_Msg, tag="request"):
     seq: int
-    ops: list[Op]
+    ops: Annotated[list[Op], msgspec.Meta(max_length=MAX_OPS_PER_REQUEST)]
 
 
 # -- daemon -> client -------------------------------------------------------------------------
@@ -171,7 +175,6 @@ class CloseReason(enum.Enum):
     MALFORMED = "malformed"
     WRONG_VERSION = "wrong_version"
     OUT_OF_ORDER = "out_of_order"
-    TOO_MANY_OPS = "too_many_ops"
     BAD_NAMESPACE = "bad_namespace"
     NOT_ALLOWED = "not_allowed"
     TOO_MANY_CLIENTS = "too_many_clients"
