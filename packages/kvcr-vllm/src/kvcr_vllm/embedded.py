@@ -1,0 +1,41 @@
+"""Embedded mode: the Runner lives in the engine's scheduler process.
+
+It is served to this engine's workers exactly as kvcr-guard serves engines (the same
+`GuardServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
+run one code path. The socket is removed when the engine shuts down or exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+
+from kvcr_guard.config import GuardConfig
+from kvcr_guard.server import GuardServer
+
+from kvcr_core.config import KVCRConfig
+
+log = logging.getLogger("kvcr_vllm")
+
+
+class EmbeddedRunner:
+    def __init__(self, socket_path: str, runner_config: KVCRConfig) -> None:
+        self.socket_path = socket_path
+        self.server = GuardServer(GuardConfig(socket_path=socket_path, runner=runner_config))
+        self.server.listen()
+        self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+        log.info("kvcr embedded runner serving %s (pool %d bytes)", socket_path,
+                 runner_config.pool_bytes)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.server.request_shutdown()
+            self._thread.join(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)

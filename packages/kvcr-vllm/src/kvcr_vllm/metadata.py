@@ -1,0 +1,38 @@
+"""Plain-data plans the scheduler side sends to the workers inside vLLM's connector
+metadata. Picklable: ids, slots and keys only, no handles, no tensors.
+
+Per TP rank: each rank has its own namespace, so its own keys and slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """Copy pool slots into vLLM blocks; `failed_block_ids` could not be leased (recompute)."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    slots_by_rank: tuple[tuple[int, ...], ...]
+    failed_block_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """Blocks whose KV this step completes: each worker reserves their keys in its rank's
+    namespace, copies the blocks it was granted and commits them."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    keys_by_rank: tuple[tuple[bytes, ...], ...]
+
+
+@dataclasses.dataclass
+class KVCRConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = dataclasses.field(default_factory=list)
+    saves: list[SavePlan] = dataclasses.field(default_factory=list)
+    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)

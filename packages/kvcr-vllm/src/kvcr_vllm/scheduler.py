@@ -1,0 +1,257 @@
+"""`KVCRConnectorScheduler`: the connector's scheduler side (vLLM's EngineCore process).
+
+Decides, per request, which blocks to load from kvcr and which to save, and hands workers
+plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
+
+- Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per TP rank's
+  namespace. Requests whose KV depends on more than token ids (multimodal inputs, prompt
+  embeddings, LoRA, cache_salt) bypass kvcr, counted: nothing wrong is ever served.
+- Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit and
+  answers asynchronously (`(n, True)`), so a load never stalls other requests.
+  `update_state_after_alloc` leases the blocks (no eviction while loading) and plans the copy;
+  leases are released when the workers report the load finished.
+- Save: every step, the full blocks whose KV the step completes (prompt and generated tokens;
+  the partial last block never) are planned; each worker reserves, copies and commits them
+  itself after the forward pass, so KV is reusable by other engines while the request still
+  decodes. A request with saves in flight keeps its blocks until the workers are done
+  (`request_finished` -> delay free).
+- Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
+Threading: vLLM calls these from its scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.hints import HintIntake, HintLimits, KVHint
+from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.types import BlockKey, OpId
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.settings import ConnectorSettings
+from kvcr_vllm.stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvcr_vllm")
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: Request
+    bypass: str | None
+    hint: KVHint | None = None
+    keys: list[list[BlockKey]] = dataclasses.field(default_factory=list)  # per rank
+    keyed_blocks: int = 0
+    local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
+    loading_ops: list[OpId] | None = None  # leases per rank while a load runs
+    loaded_tokens: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
+    planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
+    saves_issued: bool = False
+    finished: bool = False
+
+
+def bypass_reason(request: Request) -> str | None:
+    """Why this request's KV is not a function of its token ids alone (None: cacheable)."""
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    if getattr(request, "lora_request", None) is not None:
+        return "lora"
+    if getattr(request, "cache_salt", None):
+        return "cache_salt"
+    return None
+
+
+class KVCRConnectorScheduler:
+    def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
+                 block_bytes: int, stats: StatsRecorder, engine_id: str) -> None:
+        self.settings = settings
+        self.specs = specs
+        self.block_size = specs[0].block_size_tokens
+        self.stats = stats
+        identity = settings.identity or f"vllm-scheduler-{engine_id[:12]}"
+        self.clients = [GuardClient(settings.socket, spec, block_bytes, identity=identity,
+                                    timeout_s=settings.timeout_s) for spec in specs]
+        runner = settings.runner
+        self.hints = HintIntake(stats, HintLimits(max_actions=runner.max_hint_actions,
+                                                  max_hashes=runner.max_hint_hashes,
+                                                  max_bytes=runner.max_hint_bytes))
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_loads: list[LoadPlan] = []
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(request, bypass_reason(request))
+            self._requests[request.request_id] = state
+            if state.bypass:
+                self.stats.count("bypassed", state.bypass)
+        return state
+
+    def _keys(self, state: _RequestState, n_blocks: int) -> list[list[BlockKey]]:
+        """Keys of the first `n_blocks` blocks per rank, extended incrementally."""
+        if n_blocks > state.keyed_blocks:
+            bs = self.block_size
+            tokens = list(state.request.all_token_ids[state.keyed_blocks * bs:n_blocks * bs])
+            if not state.keys:
+                state.keys = [[] for _ in self.specs]
+            for rank, spec in enumerate(self.specs):
+                chain = state.keys[rank]
+                parent = chain[-1] if chain else spec.digest()
+                chain.extend(block_keys(parent, tokens, bs))
+            state.keyed_blocks = len(state.keys[0])
+        return [chain[:n_blocks] for chain in state.keys]
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        state = self._state(request)
+        params = request.kv_transfer_params or {}
+        if "kv_hint" in params:
+            state.hint = self.hints.accept(params["kv_hint"])
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        if state.bypass or not self.settings.load:
+            return 0, False
+        bs = self.block_size
+        # A hit may cover the whole prompt: after an async load vLLM recomputes the last
+        # token itself (so it can sample the next one).
+        n_blocks = request.num_tokens // bs
+        local_blocks = num_computed_tokens // bs
+        if n_blocks <= local_blocks:
+            return 0, False
+        keys = self._keys(state, n_blocks)
+        try:
+            hit = min(c.lookup(k) for c, k in zip(self.clients, keys, strict=True))
+        except GuardUnavailable:
+            self.stats.failure("guard_unavailable")
+            return 0, False
+        self.stats.add("lookups")
+        if hit <= local_blocks:
+            return 0, False
+        state.local_tokens = num_computed_tokens
+        return hit * bs - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._state(request)
+        bs = self.block_size
+        first = state.local_tokens // bs
+        count = -(-num_external_tokens // bs)
+        block_ids = blocks.get_block_ids()[0][first:first + count]
+        keys = [k[first:first + count] for k in self._keys(state, first + count)]
+        ops: list[OpId] = []
+        slots: list[tuple[int | None, ...]] = []
+        try:
+            for client, rank_keys in zip(self.clients, keys, strict=True):
+                lease = client.acquire(rank_keys)
+                ops.append(lease.op)
+                slots.append(lease.slots)
+        except GuardUnavailable:
+            self.stats.failure("guard_unavailable")
+            self._release_all(ops)
+            ops, slots = [], [(None,) * count for _ in self.clients]
+        granted = min(next((i for i, s in enumerate(r) if s is None), len(r)) for r in slots)
+        if granted < len(block_ids):
+            self.stats.failure("evicted_before_load", len(block_ids) - granted)
+        state.loading_ops = ops
+        state.loaded_tokens = min(granted * bs, num_external_tokens)
+        state.planned_blocks = max(state.planned_blocks, first + granted)  # already in kvcr
+        self.stats.add("lookup_hit_tokens", num_external_tokens)
+        self._pending_loads.append(LoadPlan(
+            request.request_id, tuple(block_ids[:granted]),
+            tuple(tuple(int(s) for s in r[:granted] if s is not None) for r in slots),
+            tuple(block_ids[granted:])))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
+        meta = KVCRConnectorMetadata(self._pending_loads, [],
+                                     set(scheduler_output.preempted_req_ids or ()))
+        self._pending_loads = []
+        if self.settings.save:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for new in scheduler_output.scheduled_new_reqs:
+                state = self._requests.get(new.req_id)
+                if state is not None:
+                    state.block_ids = list(new.block_ids[0])
+                    self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                state = self._requests.get(req_id)
+                if state is None:
+                    continue
+                new_ids = cached.new_block_ids[i]
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids = list(new_ids[0]) if new_ids else []
+                elif new_ids:
+                    state.block_ids.extend(new_ids[0])
+                self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
+        return meta
+
+    def _plan_saves(self, state: _RequestState, tokens_done: int,
+                    meta: KVCRConnectorMetadata) -> None:
+        """Plans the full blocks this step completes that kvcr may lack."""
+        if state.bypass:
+            return
+        full = min(tokens_done // self.block_size, len(state.block_ids))
+        if full <= state.planned_blocks:
+            return
+        first = state.planned_blocks
+        keys = self._keys(state, full)
+        meta.saves.append(SavePlan(
+            state.request.request_id, tuple(state.block_ids[first:full]),
+            tuple(tuple(k[first:full]) for k in keys)))
+        state.planned_blocks = full
+        state.saves_issued = True
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            if state.loading_ops is not None:
+                self._release_all(state.loading_ops)
+                state.loading_ops = None
+            if state.finished:
+                del self._requests[req_id]
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False, None
+        params: dict[str, Any] = {"kvcr_loaded_tokens": state.loaded_tokens,
+                                  "kvcr_saved_blocks": state.planned_blocks}
+        if state.loading_ops is not None:
+            # Finished (aborted) while its load runs: vLLM frees the blocks once the workers
+            # report the load, and the leases are released then.
+            state.finished = True
+        else:
+            del self._requests[request.request_id]
+        # Workers report a request with saves once all its copies are done (get_finished).
+        return state.saves_issued, params
+
+    def _release_all(self, ops: list[OpId]) -> None:
+        for client, op in zip(self.clients, ops, strict=False):
+            try:
+                client.release_nowait(op)
+            except GuardUnavailable:
+                self.stats.failure("guard_unavailable")
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.close()

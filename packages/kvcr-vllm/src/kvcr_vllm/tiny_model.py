@@ -1,0 +1,107 @@
+"""Builds a tiny random-weight Llama and a locally trained tokenizer: no hub, no download.
+
+`python -m kvcr_vllm.tiny_model OUT_DIR [--preset test|bench]` writes a folder vLLM loads
+with HF_HUB_OFFLINE=1. Presets (FACTS.md): `test` is 3.4 M parameters (fast engine start);
+`bench` is sized so a 4k-token prefill takes seconds on a 2-core CPU, with large KV per token
+(so the load path, not the MLP, is what a reuse benchmark measures). Deterministic: the same
+preset gives the same weights and vocabulary. Idempotent: an existing complete folder is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "test": {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 64, "max_position_embeddings": 4096, "dtype": "float32"},
+    "bench": {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2048,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "head_dim": 128, "max_position_embeddings": 8192, "dtype": "float32"},
+}
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+_DONE = "kvcr-tiny-model.json"
+
+
+def _corpus_files() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))[:160]
+    files += sorted(glob.glob("/usr/share/common-licenses/*"))[:25]
+    return [f for f in files if os.path.isfile(f)]
+
+
+def build(out_dir: str | os.PathLike[str], preset: str = "test") -> Path:
+    """Writes the model folder (unless already complete) and returns its path."""
+    out = Path(out_dir)
+    spec = PRESETS[preset]
+    marker = out / _DONE
+    if marker.exists() and json.loads(marker.read_text()) == {"preset": preset, **spec}:
+        return out
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec["vocab_size"], special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train(_corpus_files(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>",
+                                   model_max_length=spec["max_position_embeddings"])
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=spec["vocab_size"], hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+        max_position_embeddings=spec["max_position_embeddings"], tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, torch_dtype=spec["dtype"])
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)  # larger than the default init: varied greedy output
+    model = model.to(getattr(torch, spec["dtype"]))
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                     pad_token_id=fast.pad_token_id).save_pretrained(out)
+    marker.write_text(json.dumps({"preset": preset, **spec}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="test")
+    args = ap.parse_args(argv)
+    print(build(args.out_dir, args.preset))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
