@@ -17,6 +17,7 @@ one strided copy per layer. A load that cannot complete reports its blocks throu
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvcr_vllm")
+_SHUTDOWN_WAIT_S = 10.0
 
 
 def runs(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
@@ -73,6 +75,7 @@ class KVCRConnectorWorker:
         self._disabled = ""
         self._thread = threading.Thread(target=self._copy_loop, name="kvcr-copy", daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)  # an engine that exits still lands its queued saves
 
     # -- registration --------------------------------------------------------------------------
 
@@ -149,8 +152,13 @@ class KVCRConnectorWorker:
         return errors
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
+        """Finishes queued copies (bounded wait), then detaches. Idempotent."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=_SHUTDOWN_WAIT_S)
+        with contextlib.suppress(GuardUnavailable):
+            if self.client.attached:
+                self.client.flush()
         self.client.close()
 
     # -- copy thread ---------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""Fixtures that run a real kvcr-guard daemon and real client processes."""
+"""Shared fixtures: a real kvcr-guard daemon, real client processes, short socket dirs.
+
+At the repository root so every package's tests (guard, vLLM, SGLang) can use them.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = str(Path(__file__).with_name("guard_worker.py"))
+WORKER = str(Path(__file__).parent / "packages" / "kvcr-guard" / "tests" / "guard_worker.py")
 
 
 def free_port() -> int:

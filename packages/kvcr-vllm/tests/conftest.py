@@ -1,0 +1,71 @@
+"""Fixtures for kvcr-vllm tests: the tiny local model (built once, no hub) and a runner for
+real vLLM engine processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+ENGINE = str(Path(__file__).with_name("engine_run.py"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The `test` preset, built under .cache/ once (a file lock serialises xdist workers)."""
+    from kvcr_vllm.tiny_model import build
+
+    cache = REPO / ".cache" / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(build(cache / "tiny-test", "test"))
+
+
+EngineRun = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture
+def run_engine(tiny_model: str) -> EngineRun:
+    """Runs one engine process to completion; returns its JSON lines."""
+
+    def run(connector: str, requests: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+            **job: Any) -> list[dict[str, Any]]:
+        spec = {"model": tiny_model, "connector": connector, "extra": extra or {},
+                "requests": requests, **job}
+        out = subprocess.run([sys.executable, ENGINE, json.dumps(spec)], capture_output=True,
+                             text=True, timeout=600, check=False)
+        assert out.returncode == 0, out.stderr[-4000:]
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+    return run
+
+
+@pytest.fixture
+def start_engine(tiny_model: str) -> Callable[..., subprocess.Popen[str]]:
+    def start(connector: str, requests: list[dict[str, Any]], extra: dict[str, Any],
+              **job: Any) -> subprocess.Popen[str]:
+        spec = {"model": tiny_model, "connector": connector, "extra": extra,
+                "requests": requests, **job}
+        return subprocess.Popen([sys.executable, ENGINE, json.dumps(spec)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return start
+
+
+@pytest.fixture
+def guard(short_tmp: str, harness: Any) -> Any:
+    """A kvcr-guard with room for the tiny model's blocks (128 KiB each)."""
+    g = harness.Guard(short_tmp, "--pool-bytes", "512MiB", "--namespace-pool-bytes",
+                      "256MiB").start()
+    yield g
+    if g.proc is not None and g.proc.poll() is None:
+        assert g.stop() == 0, g.logs()
+    g.log.close()

@@ -1,0 +1,113 @@
+"""kvcr-vllm with the real vLLM CPU engine and a tiny local model, in separate processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+
+from kvcr_vllm.settings import namespace_for
+from vllm.engine.arg_utils import EngineArgs
+
+from kvcr_core.guard_client import GuardClient
+from kvcr_core.keys import sequence_keys
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [(i * 7919) % 2000 + 4 for i in range(2100)]  # 65 full blocks of 32 + 20 tokens
+FULL_BLOCK_TOKENS = (len(PROMPT) // 32) * 32
+
+
+def next_json(proc) -> dict:
+    """The engine's next JSON line (vLLM logs to stdout too)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"engine exited: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+
+
+def guarded(socket: str) -> dict[str, str]:
+    return {"mode": "guarded", "socket": socket}
+
+
+def corrupt_pool(model: str, socket: str, tokens: list[int]) -> int:
+    """Overwrites every stored block of `tokens` with noise, through the real pool mapping."""
+    config = EngineArgs(model=model, dtype="float32", max_model_len=4096, block_size=32,
+                        enforce_eager=True).create_engine_config()
+    spec = namespace_for(config, 0)
+    client = GuardClient(socket, spec, block_bytes_from_stats(socket, spec))
+    keys = sequence_keys(spec, tokens)
+    lease = client.acquire(keys, prefix_only=False)
+    noise = bytes((i * 131 + 7) % 256 for i in range(client.pool.slot_bytes))
+    for slot in lease.slots:
+        if slot is not None:
+            client.pool.write(slot, noise)
+    client.release(lease.op)
+    client.close()
+    return lease.granted
+
+
+def block_bytes_from_stats(socket: str, spec) -> int:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kvcr = str(Path(sys.executable).parent / "kvcr")
+    status = json.loads(subprocess.run([kvcr, "status", "--socket", socket, "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    (ns,) = [n for n in status["namespaces"] if n["namespace"] == spec.digest().hex()]
+    return int(ns["block_bytes"])
+
+
+def test_cross_engine_reuse_is_exact_and_really_used(guard, run_engine, tiny_model) -> None:
+    """Engine B reuses A's KV through kvcr-guard: every full block hit, same greedy output as
+    an engine without kvcr, and corrupting the pool changes the output (the KV is used)."""
+    (plain,) = run_engine("none", [{"tokens": PROMPT}])
+    (a,) = run_engine("plugin", [{"tokens": PROMPT}], guarded(guard.socket))
+    assert a["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert a["metrics"]["vllm:kvcr_stored_blocks"] >= len(PROMPT) // 32
+    (b,) = run_engine("module", [{"tokens": PROMPT}], guarded(guard.socket))
+    assert b["metrics"]["vllm:external_prefix_cache_hits"] >= FULL_BLOCK_TOKENS - 32
+    assert b["cached"] >= FULL_BLOCK_TOKENS - 32
+    assert b["metrics"]["vllm:kvcr_loaded_blocks"] >= len(PROMPT) // 32 - 1
+    assert b["tokens"] == a["tokens"] == plain["tokens"]
+    assert corrupt_pool(tiny_model, guard.socket, PROMPT) >= len(PROMPT) // 32 - 1
+    (c,) = run_engine("plugin", [{"tokens": PROMPT}], guarded(guard.socket))
+    assert c["metrics"]["vllm:external_prefix_cache_hits"] >= FULL_BLOCK_TOKENS - 32
+    assert c["tokens"] != plain["tokens"]
+
+
+def test_sigkilled_engine_restarts_warm(guard, run_engine, start_engine) -> None:
+    """SIGKILL an engine after it served a prompt; the restarted engine hits that prompt."""
+    first = start_engine("plugin", [{"tokens": PROMPT[:1100]}], guarded(guard.socket), hold=True)
+    served = next_json(first)
+    assert next_json(first) == {"holding": True}
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    (again,) = run_engine("plugin", [{"tokens": PROMPT[:1100]}], guarded(guard.socket))
+    assert again["metrics"]["vllm:external_prefix_cache_hits"] >= (1100 // 32 - 1) * 32
+    assert again["tokens"] == served["tokens"]
+
+
+def test_guard_down_recomputes_and_counts(short_tmp, run_engine) -> None:
+    """No daemon behind the socket: requests succeed by recomputing; the fault is counted.
+    Also: a malformed kv_hint is counted and the request served; a bad extra config is a
+    clear start-up error."""
+    missing = f"{short_tmp}/none.sock"
+    bad_hint = {"kv_hint": {"protocol_version": "0.1", "actions": [{
+        "action_type": "kv.fetch", "action_version": "1.0",
+        "payload": {"source_control_endpoint": "tcp://10.9.9.9:1",
+                    "block_hashes": ["not-a-hash"]}}]}}
+    results = run_engine("plugin", [{"tokens": PROMPT[:700]},
+                                    {"tokens": PROMPT[:700], "params": bad_hint}],
+                         guarded(missing), bad_extra={"mode": "guraded", "socket": missing})
+    error, first, second = results
+    assert "kv_connector_extra_config.mode" in error["bad_extra_error"]
+    assert "guraded" in error["bad_extra_error"]
+    assert first["tokens"] == second["tokens"]
+    assert second["metrics"]["vllm:kvcr_failures{reason=guard_unavailable}"] >= 1
+    assert second["metrics"]["vllm:kvcr_hints{outcome=bad_hashes}"] == 1
