@@ -25,8 +25,9 @@ def test_ruff_is_clean() -> None:
 
 @pytest.mark.slow
 def test_mypy_strict_on_core() -> None:
-    """kvcr_core type-checks under --strict (the config in pyproject.toml)."""
-    out = run(str(BIN / "mypy"), "--config-file", "pyproject.toml", "-p", "kvcr_core")
+    """kvcr_core and kvcr_guard type-check under --strict (the config in pyproject.toml)."""
+    out = run(str(BIN / "mypy"), "--config-file", "pyproject.toml", "-p", "kvcr_core",
+              "-p", "kvcr_guard")
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -1,0 +1,125 @@
+"""Start and stop real vLLM OpenAI servers and kvcr-guard daemons for the demo and the
+benchmarks, by PID, on 127.0.0.1, with the CPU settings FACTS.md verified."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+class GuardDaemon(Process):
+    def __init__(self, workdir: Path, pool_bytes: str = "2GiB") -> None:
+        self.socket = str(workdir / "guard.sock")
+        super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
+                          "--pool-bytes", pool_bytes, "--log-level", "WARNING"],
+                         workdir / "guard.log")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(self.socket)
+                return
+            if not self.alive():
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"kvcr-guard did not start: {self.tail()}")
+
+
+class VllmServer(Process):
+    """`python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI fails with vllm-cpu)."""
+
+    def __init__(self, model: str, workdir: Path, name: str,
+                 kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192) -> None:
+        self.port = free_port()
+        self.name = name
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--max-model-len", str(max_model_len), "--block-size", "32",
+                "--enforce-eager", "--max-num-seqs", "4", "--served-model-name", "model"]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        super().__init__(args, workdir / f"{name}.log", CPU_ENV)
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"vLLM server {self.name} exited: {self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM server {self.name} not ready after {timeout_s} s")
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus sample over its label sets (0 if absent)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def ttft(self, tokens: list[int], max_tokens: int = 8,
+             params: dict[str, Any] | None = None) -> float:
+        """Seconds from sending a streamed completion to its first token."""
+        body: dict[str, Any] = {"model": "model", "prompt": tokens, "max_tokens": max_tokens,
+                                "temperature": 0, "stream": True, "ignore_eos": True}
+        if params:
+            body["kv_transfer_params"] = params
+        start = time.perf_counter()
+        first = None
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: ") and '"text"' in line:
+                    first = time.perf_counter() - start
+        if first is None:
+            raise RuntimeError("no token streamed")
+        return first

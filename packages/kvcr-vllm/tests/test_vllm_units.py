@@ -1,0 +1,100 @@
+"""kvcr-vllm pieces without an engine: config validation, copy runs, stats, registration."""
+
+from __future__ import annotations
+
+import pytest
+from kvcr_vllm.settings import ConnectorSettings, Mode
+
+from kvcr_core.errors import ConfigError
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"mode": "guraded"}, "kv_connector_extra_config.mode"),
+    ({"mode": "guarded"}, "kv_connector_extra_config.socket"),
+    ({"socket": 7}, "kv_connector_extra_config.socket"),
+    ({"pool_bytes": "lots"}, "kv_connector_extra_config.pool_bytes"),
+    ({"pool_size": "1GiB"}, "kv_connector_extra_config.pool_size"),
+    ({"load": "yes"}, "kv_connector_extra_config.load"),
+    ({"timeout_s": 0}, "kv_connector_extra_config.timeout_s"),
+    ({"kvcr": {"eviction_polcy": "lru"}}, "eviction_polcy"),
+])
+def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
+    """A wrong kv_connector_extra_config is a start-up error naming the field and the fix."""
+    with pytest.raises(ConfigError) as err:
+        ConnectorSettings.from_extra_config(extra, "engine-1")
+    assert field in str(err.value)
+
+
+def test_extra_config_defaults_and_values() -> None:
+    """Embedded by default on a private short socket; guarded takes the given socket."""
+    default = ConnectorSettings.from_extra_config({}, "0123456789abcdef-engine")
+    assert default.mode is Mode.EMBEDDED and default.socket.endswith(".sock")
+    assert len(default.socket.encode()) < 100
+    guarded = ConnectorSettings.from_extra_config(
+        {"mode": "guarded", "socket": "/run/kvcr/g.sock", "pool_bytes": "2GiB",
+         "kvcr": {"eviction_policy": "arc"}, "save": False}, "e")
+    assert guarded.socket == "/run/kvcr/g.sock" and guarded.runner.pool_bytes == 2 << 30
+    assert guarded.runner.eviction_policy == "arc" and not guarded.save and guarded.load
+
+
+def test_copy_runs_coalesce_consecutive_blocks_and_slots() -> None:
+    """Runs where both block ids and slots advance by one become one copy each."""
+    vllm = pytest.importorskip("vllm", reason="kvcr_vllm.worker imports vLLM types")
+    assert vllm
+    from kvcr_vllm.worker import runs
+
+    assert list(runs((4, 5, 6, 9, 10), (0, 1, 2, 3, 4))) == [(4, 0, 3), (9, 3, 2)]
+    assert list(runs((1, 2), (7, 3))) == [(1, 7, 1), (2, 3, 1)]
+    assert list(runs((), ())) == []
+
+
+def test_stats_aggregate_reduce_and_bounded_labels() -> None:
+    """Stats from workers and the scheduler add up; the load-time sample list stays bounded."""
+    pytest.importorskip("vllm", reason="stats subclass vLLM's KVConnectorStats")
+    from kvcr_vllm.stats import KVCRConnectorStats, StatsRecorder
+
+    a, b = StatsRecorder(), StatsRecorder()
+    a.add("loaded_blocks", 3)
+    a.failure("guard_unavailable")
+    b.add("loaded_blocks", 2)
+    b.hint_outcome("bad_hashes")
+    for _ in range(600):
+        b.load_seconds(0.001)
+    sa, sb = a.take(), b.take()
+    assert sa is not None and sb is not None and a.take() is None
+    total = sa.aggregate(sb)
+    reduced = total.reduce()
+    assert reduced["loaded_blocks"] == 5 and reduced["failures_guard_unavailable"] == 1
+    assert reduced["hints_bad_hashes"] == 1 and len(total.data["load_seconds"]) <= 512
+    assert KVCRConnectorStats().is_empty()
+    with pytest.raises(AssertionError):
+        a.failure("made_up_reason")
+
+
+def test_plugin_registers_the_connector_name_once() -> None:
+    """The vllm.general_plugins entry point makes "KVCRConnector" resolvable by name."""
+    pytest.importorskip("vllm", reason="registration needs vLLM's factory")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from kvcr_vllm import plugin
+
+    plugin.register()  # idempotent
+    by_name = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="KVCRConnector", kv_role="kv_both"))
+    by_path = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="KVCRConnector", kv_role="kv_both",
+                         kv_connector_module_path="kvcr_vllm.connector"))
+    assert by_name is by_path and by_name.__name__ == "KVCRConnector"
+
+
+def test_unsupported_vllm_version_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the supported vLLM versions the connector refuses with a clear message."""
+    vllm = pytest.importorskip("vllm", reason="needs vLLM")
+    from kvcr_vllm import connector
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.1")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.99\.1"):
+        connector.check_vllm_version()
