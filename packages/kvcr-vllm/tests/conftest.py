@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-ENGINE = str(Path(__file__).with_name("engine_run.py"))
+ENGINE_ARGS = [sys.executable, "-m", "kvcr_vllm.probe"]
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def run_engine(tiny_model: str) -> EngineRun:
             **job: Any) -> list[dict[str, Any]]:
         spec = {"model": tiny_model, "connector": connector, "extra": extra or {},
                 "requests": requests, **job}
-        out = subprocess.run([sys.executable, ENGINE, json.dumps(spec)], capture_output=True,
+        out = subprocess.run([*ENGINE_ARGS, json.dumps(spec)], capture_output=True,
                              text=True, timeout=600, check=False)
         assert out.returncode == 0, out.stderr[-4000:]
         return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -54,7 +54,7 @@ def start_engine(tiny_model: str) -> Callable[..., subprocess.Popen[str]]:
               **job: Any) -> subprocess.Popen[str]:
         spec = {"model": tiny_model, "connector": connector, "extra": extra,
                 "requests": requests, **job}
-        return subprocess.Popen([sys.executable, ENGINE, json.dumps(spec)],
+        return subprocess.Popen([*ENGINE_ARGS, json.dumps(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     return start

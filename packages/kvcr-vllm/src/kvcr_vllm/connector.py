@@ -126,10 +126,6 @@ class KVCRConnector(KVConnectorBase_V1):
         assert isinstance(metadata, KVCRConnectorMetadata)
         self._worker.wait_for_save(metadata)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert self._worker is not None
-        if isinstance(kv_connector_metadata, KVCRConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

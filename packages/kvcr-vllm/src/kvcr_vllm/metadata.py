@@ -35,4 +35,3 @@ class SavePlan:
 class KVCRConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = dataclasses.field(default_factory=list)
     saves: list[SavePlan] = dataclasses.field(default_factory=list)
-    preempted_req_ids: set[str] = dataclasses.field(default_factory=set)

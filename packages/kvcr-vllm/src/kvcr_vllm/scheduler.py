@@ -12,9 +12,8 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   leases are released when the workers report the load finished.
 - Save: every step, the full blocks whose KV the step completes (prompt and generated tokens;
   the partial last block never) are planned; each worker reserves, copies and commits them
-  itself after the forward pass, so KV is reusable by other engines while the request still
-  decodes. A request with saves in flight keeps its blocks until the workers are done
-  (`request_finished` -> delay free).
+  itself right after that step's forward pass, so KV is reusable by other engines while the
+  request still decodes, and a finished request's blocks can be freed at once.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -54,7 +53,6 @@ class _RequestState:
     loaded_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
-    saves_issued: bool = False
     finished: bool = False
 
 
@@ -179,8 +177,7 @@ class KVCRConnectorScheduler:
             tuple(block_ids[granted:])))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
-        meta = KVCRConnectorMetadata(self._pending_loads, [],
-                                     set(scheduler_output.preempted_req_ids or ()))
+        meta = KVCRConnectorMetadata(self._pending_loads, [])
         self._pending_loads = []
         if self.settings.save:
             scheduled = scheduler_output.num_scheduled_tokens
@@ -216,7 +213,6 @@ class KVCRConnectorScheduler:
             state.request.request_id, tuple(state.block_ids[first:full]),
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
-        state.saves_issued = True
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
@@ -242,8 +238,8 @@ class KVCRConnectorScheduler:
             state.finished = True
         else:
             del self._requests[request.request_id]
-        # Workers report a request with saves once all its copies are done (get_finished).
-        return state.saves_issued, params
+        # Saves complete inside the step that planned them: nothing holds the blocks.
+        return False, params
 
     def _release_all(self, ops: list[OpId]) -> None:
         for client, op in zip(self.clients, ops, strict=False):

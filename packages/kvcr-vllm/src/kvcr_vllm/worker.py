@@ -4,29 +4,28 @@ Copies whole block pages as opaque bytes (vLLM's CPU page layout depends on the 
 vLLM's KV tensors and the kvcr pool mapped from the Runner (embedded or kvcr-guard). A block's
 slot holds every layer's page back to back, in vLLM's layer order.
 
-Asynchronous: plans from the scheduler are queued to one copy thread (torch copies release
-the GIL), so copies overlap the next forward pass; `get_finished` reports what completed.
-Loads are queued before the forward (their blocks are not used until reported); saves after
-it (`wait_for_save`: the step's KV is written). A save reserves its keys, copies the granted
-blocks and commits them itself, so a block is READY only after all its bytes landed; a failed
-save is aborted, never published. Before vLLM reuses a preempted request's blocks
-(`handle_preemptions`) the copy queue is drained. Runs of consecutive blocks and slots move in
-one strided copy per layer. A load that cannot complete reports its blocks through
-`get_block_ids_with_load_errors` (vLLM recomputes them).
+Copies run inline in the engine thread, at memcpy speed: loads in `start_load_kv` (the request
+is parked in WAITING_FOR_REMOTE_KVS, so the scheduler never waits for it: the load is
+asynchronous where it matters), saves in `wait_for_save` after the forward pass wrote the
+step's KV. Measured here: a separate copy thread ran 5-100x slower, starved by the engine's
+OpenMP threads; inline, 32 MiB move in ~5 ms. A save reserves its keys (one overlapped round
+trip for all of the step's plans), copies what it was granted and commits, so a block is READY
+only after all its bytes landed; a failed save is aborted, never published. Runs of consecutive
+blocks and slots move in one strided copy per layer. A load that cannot complete reports its
+blocks through `get_block_ids_with_load_errors`, and vLLM recomputes them.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.guard_client.client import Pending
+from kvcr_core.index import Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvcr_vllm")
-_SHUTDOWN_WAIT_S = 10.0
 
 
 def runs(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
@@ -57,6 +55,7 @@ class KVCRConnectorWorker:
         self.settings = settings
         self.tp_rank = tp_rank
         self.block_bytes = block_bytes
+        self.block_tokens = spec.block_size_tokens
         self.num_blocks = num_blocks
         self.stats = stats
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
@@ -65,17 +64,9 @@ class KVCRConnectorWorker:
         self._planes: list[tuple[torch.Tensor, int, int]] = []  # (bytes [blocks, page], off, n)
         self._pool_rows: torch.Tensor | None = None
         self._pool_attach = -1
-        self._jobs: queue.Queue[LoadPlan | SavePlan | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._saves_pending: dict[str, int] = {}  # req -> save jobs not yet done
-        self._finished_seen: set[str] = set()
         self._disabled = ""
-        self._thread = threading.Thread(target=self._copy_loop, name="kvcr-copy", daemon=True)
-        self._thread.start()
-        atexit.register(self.shutdown)  # an engine that exits still lands its queued saves
 
     # -- registration --------------------------------------------------------------------------
 
@@ -115,54 +106,6 @@ class KVCRConnectorWorker:
         self.stats.failure("config")
         log.error("kvcr disabled on this worker: %s (requests recompute)", why)
 
-    # -- per step ------------------------------------------------------------------------------
-
-    def start_load_kv(self, metadata: KVCRConnectorMetadata) -> None:
-        for plan in metadata.loads:
-            self._jobs.put(plan)
-
-    def wait_for_save(self, metadata: KVCRConnectorMetadata) -> None:
-        with self._lock:
-            for plan in metadata.saves:
-                self._saves_pending[plan.req_id] = self._saves_pending.get(plan.req_id, 0) + 1
-        for plan in metadata.saves:
-            self._jobs.put(plan)
-
-    def handle_preemptions(self, metadata: KVCRConnectorMetadata) -> None:
-        """vLLM is about to reuse preempted requests' blocks: finish copies reading them."""
-        if metadata.preempted_req_ids:
-            with self._lock:
-                busy = bool(metadata.preempted_req_ids & set(self._saves_pending))
-            if busy:
-                self._jobs.join()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            self._finished_seen |= finished_req_ids & set(self._saves_pending)
-            sending = {r for r in self._finished_seen if self._saves_pending[r] == 0}
-            for req_id in sending:
-                del self._saves_pending[req_id]
-            self._finished_seen -= sending
-            recving, self._done_recving = self._done_recving, set()
-        return sending or None, recving or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
-
-    def shutdown(self) -> None:
-        """Finishes queued copies (bounded wait), then detaches. Idempotent."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout=_SHUTDOWN_WAIT_S)
-        with contextlib.suppress(GuardUnavailable):
-            if self.client.attached:
-                self.client.flush()
-        self.client.close()
-
-    # -- copy thread ---------------------------------------------------------------------------
-
     def _pool(self) -> torch.Tensor:
         import torch
 
@@ -174,75 +117,99 @@ class KVCRConnectorWorker:
             self._pool_attach = self.client.attach_count
         return self._pool_rows
 
-    def _copy_loop(self) -> None:
-        while (plan := self._jobs.get()) is not None:
+    def _ready(self) -> None:
+        if self._disabled or not self._planes:
+            raise RuntimeError(self._disabled or "KV caches not registered")
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: KVCRConnectorMetadata) -> None:
+        for plan in metadata.loads:
+            self._load(plan)
+
+    def wait_for_save(self, metadata: KVCRConnectorMetadata) -> None:
+        if not metadata.saves:
+            return
+        pending: list[tuple[SavePlan, Pending[Reservation] | None]] = []
+        for plan in metadata.saves:  # all reservations in flight at once
             try:
-                if isinstance(plan, LoadPlan):
-                    self._load(plan)
-                else:
-                    self._save(plan)
-            finally:
-                self._jobs.task_done()
+                self._ready()
+                pending.append((plan, self.client.reserve_async(plan.keys_by_rank[self.tp_rank])))
+            except (GuardUnavailable, RuntimeError) as exc:
+                self._save_failed(plan, exc)
+                pending.append((plan, None))
+        for plan, reservation in pending:
+            if reservation is not None:
+                self._save(plan, reservation)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving, self._done_recving = self._done_recving, set()
+        return None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(GuardUnavailable):
+            if self.client.attached:
+                self.client.flush()  # the last commits/releases reach the Runner
+        self.client.close()
+
+    # -- copies --------------------------------------------------------------------------------
 
     def _load(self, plan: LoadPlan) -> None:
         start = time.perf_counter()
-        errors = set(plan.failed_block_ids)
-        slots = plan.slots_by_rank[self.tp_rank] if plan.block_ids else ()
+        self._load_errors.update(plan.failed_block_ids)
+        self._done_recving.add(plan.req_id)
+        if not plan.block_ids:
+            return
         try:
-            if plan.block_ids:
-                if self._disabled or not self._planes:
-                    raise RuntimeError(self._disabled or "KV caches not registered")
-                rows = self._pool()
-                for block, slot, length in runs(plan.block_ids, slots):
-                    for plane, off, page in self._planes:
-                        plane[block:block + length].copy_(rows[slot:slot + length, off:off + page])
+            self._ready()
+            rows = self._pool()
+            slots = plan.slots_by_rank[self.tp_rank]
+            for block, slot, length in runs(plan.block_ids, slots):
+                for plane, off, page in self._planes:
+                    plane[block:block + length].copy_(rows[slot:slot + length, off:off + page])
         except GuardUnavailable:
             self.stats.failure("guard_unavailable")
-            errors.update(plan.block_ids)
+            self._load_errors.update(plan.block_ids)
         except Exception:
             log.exception("kvcr load of %s failed; recomputing", plan.req_id)
             self.stats.failure("load_copy")
-            errors.update(plan.block_ids)
+            self._load_errors.update(plan.block_ids)
         else:
-            loaded = len(plan.block_ids)
-            if loaded:
-                self.stats.add("loaded_blocks", loaded)
-                self.stats.add("loaded_tokens", loaded * self._block_tokens())
-                self.stats.load_seconds(time.perf_counter() - start)
-        with self._lock:
-            self._load_errors |= errors
-            self._done_recving.add(plan.req_id)
+            self.stats.add("loaded_blocks", len(plan.block_ids))
+            self.stats.add("loaded_tokens", len(plan.block_ids) * self.block_tokens)
+            self.stats.load_seconds(time.perf_counter() - start)
 
-    def _save(self, plan: SavePlan) -> None:
-        keys = plan.keys_by_rank[self.tp_rank]
+    def _save(self, plan: SavePlan, reservation: Pending[Reservation]) -> None:
         res = None
         try:
-            if self._disabled or not self._planes:
-                raise RuntimeError(self._disabled or "KV caches not registered")
-            res = self.client.reserve(keys)  # type: ignore[arg-type]
+            res = reservation.result()
             if res.refused:
                 self.stats.failure("save_refused", res.refused)
             pairs = [(b, s) for b, s in zip(plan.block_ids, res.slots, strict=True)
                      if s is not None]
-            if pairs:
-                rows = self._pool()
-                blocks, slot_ids = zip(*pairs, strict=True)
-                for block, slot, length in runs(blocks, slot_ids):
-                    for plane, off, page in self._planes:
-                        rows[slot:slot + length, off:off + page].copy_(plane[block:block + length])
-                self.client.commit_nowait(res.op)
-                self.stats.add("stored_blocks", len(pairs))
-                self.stats.add("stored_tokens", len(pairs) * self._block_tokens())
-        except GuardUnavailable:
-            self.stats.failure("guard_unavailable")
-        except Exception:
-            log.exception("kvcr save of %s failed; nothing was published", plan.req_id)
-            self.stats.failure("save_copy")
+            if not pairs:
+                return
+            rows = self._pool()
+            blocks, slot_ids = zip(*pairs, strict=True)
+            for block, slot, length in runs(blocks, slot_ids):
+                for plane, off, page in self._planes:
+                    rows[slot:slot + length, off:off + page].copy_(plane[block:block + length])
+            self.client.commit_nowait(res.op)
+            self.stats.add("stored_blocks", len(pairs))
+            self.stats.add("stored_tokens", len(pairs) * self.block_tokens)
+        except Exception as exc:
+            self._save_failed(plan, exc)
             if res is not None:
                 with contextlib.suppress(GuardUnavailable):
                     self.client.abort(res.op)
-        with self._lock:
-            self._saves_pending[plan.req_id] -= 1
 
-    def _block_tokens(self) -> int:
-        return self.client.namespace.block_size_tokens
+    def _save_failed(self, plan: SavePlan, exc: BaseException) -> None:
+        if isinstance(exc, GuardUnavailable):
+            self.stats.failure("guard_unavailable")
+        elif not self._disabled:
+            log.error("kvcr save of %s failed (%s); nothing was published", plan.req_id, exc)
+            self.stats.failure("save_copy")

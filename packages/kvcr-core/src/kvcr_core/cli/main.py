@@ -9,6 +9,7 @@ Exit codes: 0 ok, 1 failed check, 2 usage error.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "guard", help="copy path through kvcr-guard, control round trip, attach time")
     guard.add_argument("--quick", action="store_true", help="short run")
     guard.add_argument("--json", action="store_true", help="print one JSON object")
+    for plugin in _bench_plugins():  # e.g. `kvcr bench vllm` from kvcr-vllm
+        extra = bench_sub.add_parser(plugin.name, help=f"benchmark from {plugin.value}")
+        extra.add_argument("--quick", action="store_true", help="short run")
+        extra.add_argument("--json", action="store_true", help="print one JSON object")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config", required=True)
@@ -51,12 +56,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_plugins() -> list[importlib.metadata.EntryPoint]:
+    """Benchmarks other kvcr packages install (entry point group `kvcr.bench`)."""
+    found = importlib.metadata.entry_points(group="kvcr.bench")
+    return [ep for ep in found if ep.name not in ("pool", "guard")]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "bench" and args.bench == "guard":
         from kvcr_core.cli.bench_guard import run_guard_bench
 
         return run_guard_bench(quick=args.quick, as_json=args.json)
+    if args.command == "bench" and args.bench != "pool":
+        (plugin,) = [ep for ep in _bench_plugins() if ep.name == args.bench]
+        result: int = plugin.load()(quick=args.quick, as_json=args.json)
+        return result
     if args.command == "bench":
         from kvcr_core.cli.bench_pool import run_pool_bench
 

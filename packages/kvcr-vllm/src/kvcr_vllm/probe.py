@@ -1,10 +1,12 @@
-"""One real vLLM CPU engine (offline `LLM`) for the e2e tests; run as a script.
+"""One real vLLM CPU engine (offline `LLM`, in-process engine core) driven by a JSON job,
+for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_vllm.probe JOB_JSON`.
 
-argv[1] is a JSON job: model, connector ("none", "plugin" or "module"), extra config,
-requests (token id lists, each with optional kv_transfer_params), `hold` (print results,
-then wait to be killed) and `bad_extra` (first try an invalid extra config and report the
-start-up error). Prints one JSON line per request: output token ids, cached tokens, and the
-engine's kvcr/prefix-cache metrics after it.
+Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
+path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
+optional kv_transfer_params and max_tokens), `hold` (then wait to be killed) and
+`bad_extra` (first try an invalid extra config and report the start-up error). Prints one
+JSON line per request: output token ids, cached tokens, wall seconds, returned
+kv_transfer_params, and the engine's kvcr / prefix-cache metrics after it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -21,9 +24,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
-def transfer_config(job: dict, extra: dict) -> dict | None:
+def transfer_config(job: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None:
     if job["connector"] == "none":
         return None
+    if job["connector"] == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": extra}
     cfg = {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": extra}
     if job["connector"] == "module":
@@ -31,23 +37,24 @@ def transfer_config(job: dict, extra: dict) -> dict | None:
     return cfg
 
 
-def make_llm(job: dict, extra: dict):
+def make_llm(job: dict[str, Any], extra: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    return LLM(model=job["model"], dtype="float32", max_model_len=4096, block_size=32,
-               enforce_eager=True, max_num_seqs=4, enable_prefix_caching=True, seed=0,
-               kv_transfer_config=transfer_config(job, extra), disable_log_stats=False)
+    return LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
+               block_size=32, enforce_eager=True, max_num_seqs=4, enable_prefix_caching=True,
+               seed=0, kv_transfer_config=transfer_config(job, extra), disable_log_stats=False,
+               max_num_batched_tokens=job.get("max_num_batched_tokens"))
 
 
-def metrics(llm) -> dict:
-    out = {}
+def metrics(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for m in llm.get_metrics():
         if "kvcr" in m.name or "prefix_cache" in m.name:
             value = getattr(m, "value", None)
-            if value is None and hasattr(m, "values"):
-                value = m.values
+            if value is None and hasattr(m, "sum"):  # a histogram
+                value = {"sum": m.sum, "count": m.count}
             out[m.name] = value
-        if m.name == "vllm:kvcr_failures" or m.name == "vllm:kvcr_hints":
+        if m.name in ("vllm:kvcr_failures", "vllm:kvcr_hints"):
             out[m.name + "{" + ",".join(f"{k}={v}" for k, v in m.labels.items()
                                         if k in ("reason", "outcome")) + "}"] = m.value
     return out
