@@ -111,3 +111,19 @@ def test_guard_down_recomputes_and_counts(short_tmp, run_engine) -> None:
     assert first["tokens"] == second["tokens"]
     assert second["metrics"]["vllm:kvcr_failures{reason=guard_unavailable}"] >= 1
     assert second["metrics"]["vllm:kvcr_hints{outcome=bad_hashes}"] == 1
+
+
+def test_embedded_mode_serves_the_engine_from_its_own_runner(run_engine) -> None:
+    """Default (embedded) mode: after vLLM drops its own prefix cache, the prompt is loaded
+    from the in-engine Runner, output unchanged; the private socket is gone after exit."""
+    import glob
+
+    before = set(glob.glob("/tmp/kvcr-*.sock"))
+    first, second = run_engine("plugin", [{"tokens": PROMPT[:1500]},
+                                          {"tokens": PROMPT[:1500], "reset_prefix_cache": True}])
+    assert first["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] >= (1500 // 32) * 32 - 32
+    assert second["metrics"]["vllm:prefix_cache_hits"] == first["metrics"][
+        "vllm:prefix_cache_hits"]
+    assert second["tokens"] == first["tokens"]
+    assert set(glob.glob("/tmp/kvcr-*.sock")) == before

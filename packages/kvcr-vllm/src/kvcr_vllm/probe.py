@@ -3,7 +3,7 @@ for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_vllm.probe JOB_J
 
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
 path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
-optional kv_transfer_params and max_tokens), `hold` (then wait to be killed) and
+optional kv_transfer_params, max_tokens and reset_prefix_cache), `hold` (then wait to be killed) and
 `bad_extra` (first try an invalid extra config and report the start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, and the engine's kvcr / prefix-cache metrics after it.
@@ -72,6 +72,8 @@ def main() -> None:
             print(json.dumps({"bad_extra_error": f"{type(exc).__name__}: {exc}"}), flush=True)
     llm = make_llm(job, job.get("extra", {}))
     for req in job["requests"]:
+        if req.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()  # drop vLLM's own cache: a hit now can only be kvcr's
         extra_args = {"kv_transfer_params": req["params"]} if req.get("params") else None
         sp = SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 16), ignore_eos=True,
                             extra_args=extra_args)
