@@ -40,7 +40,7 @@ def run_engine(tiny_model: str) -> EngineRun:
             **job: Any) -> list[dict[str, Any]]:
         spec = {"model": tiny_model, "connector": connector, "extra": extra or {},
                 "requests": requests, **job}
-        out = subprocess.run([*ENGINE_ARGS, json.dumps(spec)], capture_output=True,
+        out = subprocess.run([*ENGINE_ARGS, "-"], input=json.dumps(spec), capture_output=True,
                              text=True, timeout=600, check=False)
         assert out.returncode == 0, out.stderr[-4000:]
         return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -54,8 +54,12 @@ def start_engine(tiny_model: str) -> Callable[..., subprocess.Popen[str]]:
               **job: Any) -> subprocess.Popen[str]:
         spec = {"model": tiny_model, "connector": connector, "extra": extra,
                 "requests": requests, **job}
-        return subprocess.Popen([*ENGINE_ARGS, json.dumps(spec)],
+        proc = subprocess.Popen([*ENGINE_ARGS, "-"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        return proc
 
     return start
 

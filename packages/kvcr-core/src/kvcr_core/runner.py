@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
+from kvcr_core.blockcopy import load_blocks, store_blocks
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
 from kvcr_core.eviction import make_policy, resolve_policy
@@ -113,33 +114,13 @@ class NamespaceStore:
     def view(self, slot: SlotId) -> memoryview:
         return self.pool.view(slot)
 
-    # -- copy helpers: reserve + copy + commit, acquire + copy + release ---------------------
-
     def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
         """Copies `blocks[i]` in for every key not already present; returns blocks stored."""
-        if len(keys) != len(blocks):
-            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        res = self.reserve(keys)
-        if not res.granted:
-            return 0
-        try:
-            write = self.pool.write
-            for slot, block in zip(res.slots, blocks, strict=True):
-                if slot is not None:
-                    write(slot, block)
-        except BaseException:
-            self.abort(res.op)
-            raise
-        return self.commit(res.op)
+        return store_blocks(self, keys, blocks)
 
     def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
         """Bytes of the longest READY prefix of `keys` (copied out under a lease)."""
-        lease = self.acquire(keys)
-        try:
-            view = self.pool.view
-            return [bytes(view(slot)) for slot in lease.slots if slot is not None]
-        finally:
-            self.release(lease.op)
+        return load_blocks(self, keys)
 
     def close(self) -> None:
         self.pool.close()

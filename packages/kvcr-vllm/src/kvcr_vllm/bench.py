@@ -30,7 +30,7 @@ TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
 
 
 def _probe(job: dict[str, Any]) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "kvcr_vllm.probe", json.dumps(job)],
+    out = subprocess.run([sys.executable, "-m", "kvcr_vllm.probe", "-"], input=json.dumps(job),
                          capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"engine failed: {out.stderr[-3000:]}")

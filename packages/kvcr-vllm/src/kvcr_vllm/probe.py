@@ -1,5 +1,6 @@
 """One real vLLM CPU engine (offline `LLM`, in-process engine core) driven by a JSON job,
-for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_vllm.probe JOB_JSON`.
+for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_vllm.probe JOB_JSON` (or
+`-` to read the job from stdin: long prompts exceed the argument size limit).
 
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
 path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
@@ -63,7 +64,7 @@ def metrics(llm: Any) -> dict[str, Any]:
 def main() -> None:
     from vllm import SamplingParams
 
-    job = json.loads(sys.argv[1])
+    job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if job.get("bad_extra") is not None:
         try:
             make_llm(job, job["bad_extra"])

@@ -13,12 +13,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from kvcr_core.index import Lease, Reservation
-from kvcr_core.memory import HostRegion, RegionKind, SlotPool
+from kvcr_core.blockcopy import SlotOwner
+from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.testing import random_keys
-from kvcr_core.types import BlockKey, OpId
+from kvcr_core.types import BlockKey
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -27,19 +27,7 @@ BATCH = 64
 Targets = dict[str, tuple[str, float]]
 
 
-class CopyTarget(Protocol):
-    """A Runner namespace store or a kvcr-guard client: what the copy path goes through."""
-
-    @property
-    def pool(self) -> SlotPool: ...
-
-    def reserve(self, keys: Sequence[BlockKey]) -> Reservation: ...
-
-    def commit(self, op: OpId) -> int: ...
-
-    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease: ...
-
-    def release(self, op: OpId) -> bool: ...
+CopyTarget = SlotOwner  # a Runner namespace store or a kvcr-guard client
 
 
 def median_time(fn: Callable[[], object], reps: int) -> float:

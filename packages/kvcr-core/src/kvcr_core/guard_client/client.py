@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from kvcr_core.blockcopy import load_blocks, store_blocks
 from kvcr_core.errors import KVCRError
 from kvcr_core.guard_client import protocol as p
 from kvcr_core.index import NO_OP, Lease, Reservation
@@ -369,27 +370,11 @@ class GuardClient:
 
     def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
         """reserve + copy + commit; returns blocks stored. Raises GuardUnavailable."""
-        res = self.reserve(keys)
-        if not res.granted:
-            return 0
-        pool = self.pool
-        try:
-            for slot, block in zip(res.slots, blocks, strict=True):
-                if slot is not None:
-                    pool.write(slot, block)
-        except BaseException:
-            self.abort(res.op)
-            raise
-        return self.commit(res.op)
+        return store_blocks(self, keys, blocks)
 
     def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
         """Bytes of the longest READY prefix (acquire + copy + release)."""
-        lease = self.acquire(keys)
-        pool = self.pool
-        try:
-            return [bytes(pool.view(slot)) for slot in lease.slots if slot is not None]
-        finally:
-            self.release(lease.op)
+        return load_blocks(self, keys)
 
     def close(self) -> None:
         """Detaches and unmaps (the mapping stays if the caller still holds slot views)."""

@@ -1,0 +1,58 @@
+"""Whole-block copies through anything that hands out pool slots: a local `NamespaceStore`
+or an attached `GuardClient` (the `SlotOwner` protocol). Write = reserve + copy + commit
+(abort if the copy fails, so nothing half-written is published); read = acquire + copy +
+release. Thread-safety is the slot owner's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvcr_core.index import Lease, Reservation
+from kvcr_core.memory import SlotPool
+from kvcr_core.types import BlockKey, OpId
+
+
+class SlotOwner(Protocol):
+    @property
+    def pool(self) -> SlotPool: ...
+
+    def reserve(self, keys: Sequence[BlockKey]) -> Reservation: ...
+
+    def commit(self, op: OpId) -> int: ...
+
+    def abort(self, op: OpId) -> int: ...
+
+    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease: ...
+
+    def release(self, op: OpId) -> bool: ...
+
+
+def store_blocks(owner: SlotOwner, keys: Sequence[BlockKey],
+                 blocks: Sequence[bytes | memoryview]) -> int:
+    """Copies `blocks[i]` in for every key not already present; returns blocks stored."""
+    if len(keys) != len(blocks):
+        raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+    res = owner.reserve(keys)
+    if not res.granted:
+        return 0
+    try:
+        write = owner.pool.write
+        for slot, block in zip(res.slots, blocks, strict=True):
+            if slot is not None:
+                write(slot, block)
+    except BaseException:
+        owner.abort(res.op)
+        raise
+    return owner.commit(res.op)
+
+
+def load_blocks(owner: SlotOwner, keys: Sequence[BlockKey]) -> list[bytes]:
+    """Bytes of the longest READY prefix of `keys`, copied out under a lease."""
+    lease = owner.acquire(keys)
+    try:
+        view = owner.pool.view
+        return [bytes(view(slot)) for slot in lease.slots if slot is not None]
+    finally:
+        owner.release(lease.op)

@@ -1,0 +1,104 @@
+"""The worker side's copies with real torch KV tensors and a real kvcr-guard daemon: bytes
+land exactly, a load that cannot complete is reported for recompute, a save that cannot
+complete publishes nothing."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
+pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
+
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan  # noqa: E402
+from kvcr_vllm.settings import ConnectorSettings  # noqa: E402
+from kvcr_vllm.stats import StatsRecorder  # noqa: E402
+from kvcr_vllm.worker import KVCRConnectorWorker  # noqa: E402
+
+from kvcr_core.guard_client import GuardClient  # noqa: E402
+from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
+
+NUM_BLOCKS, HEADS, BLOCK, HEAD2 = 16, 2, 32, 128  # CPU layout [blocks, heads, tokens, 2*hd]
+SPEC = NamespaceSpec(model_id="unit", dtype="float32", kv_dtype="float32",
+                     block_size_tokens=BLOCK, num_layers=2, num_kv_heads=HEADS, head_dim=64,
+                     layout="test/cpu")
+PAGE = HEADS * BLOCK * HEAD2 * 4
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.randn(2, NUM_BLOCKS, HEADS, BLOCK, HEAD2, generator=gen)
+    return {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(2)}
+
+
+def make_worker(socket: str, stats: StatsRecorder) -> KVCRConnectorWorker:
+    settings = ConnectorSettings.from_extra_config({"mode": "guarded", "socket": socket}, "e")
+    return KVCRConnectorWorker(settings, SPEC, 0, 2 * PAGE, NUM_BLOCKS, stats, "engine")
+
+
+def test_save_then_load_moves_exact_pages_between_engines(guard) -> None:
+    """Engine A's blocks 3..6 saved; engine B loads them into blocks 9..12 byte-exactly."""
+    keys = sequence_keys(SPEC, list(range(4 * BLOCK)))
+    a_caches, b_caches = kv_caches(1), kv_caches(2)
+    a, b = make_worker(guard.socket, StatsRecorder()), make_worker(guard.socket, StatsRecorder())
+    a.register_kv_caches(a_caches)
+    b.register_kv_caches(b_caches)
+    a.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("r1", (3, 4, 5, 6), (tuple(keys),))]))
+    a.shutdown()
+    reader = GuardClient(guard.socket, SPEC, 2 * PAGE)
+    lease = reader.acquire(keys)
+    assert lease.granted == 4
+    reader.release(lease.op)
+    b.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
+        "r2", (9, 10, 11, 12), (tuple(s for s in lease.slots if s is not None),))]))
+    assert b.get_finished(set()) == (None, {"r2"}) and b.get_block_ids_with_load_errors() == set()
+    for layer in a_caches:
+        assert torch.equal(b_caches[layer][9:13], a_caches[layer][3:7])
+    reader.close()
+    b.shutdown()
+
+
+def test_unleased_and_unreachable_loads_are_reported_for_recompute(short_tmp, harness) -> None:
+    """Blocks the scheduler could not lease, and every block when the daemon is gone, are
+    load errors (vLLM recomputes them); the request is still reported as received."""
+    guard = harness.Guard(short_tmp, "--pool-bytes", "64MiB", "--namespace-pool-bytes",
+                          "32MiB").start()
+    stats = StatsRecorder()
+    worker = make_worker(guard.socket, stats)
+    worker.register_kv_caches(kv_caches(3))
+    worker.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan("r", (), (), (4, 5))]))
+    assert worker.get_block_ids_with_load_errors() == {4, 5}
+    guard.stop(signal.SIGKILL)
+    worker.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan("s", (1, 2), ((0, 1),))]))
+    assert worker.get_finished(set())[1] == {"r", "s"}
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    assert stats.take().data["failures"]["guard_unavailable"] >= 1  # type: ignore[union-attr]
+    worker.shutdown()
+    guard.log.close()
+
+
+def test_failed_save_publishes_nothing(guard) -> None:
+    """A save whose copy fails is aborted: its keys never become READY."""
+    keys = sequence_keys(SPEC, list(range(2 * BLOCK)))
+    stats = StatsRecorder()
+    worker = make_worker(guard.socket, stats)
+    worker.register_kv_caches(kv_caches(4))
+    bad = SavePlan("r", (1, NUM_BLOCKS + 5), (tuple(keys),))  # second block id out of range
+    worker.wait_for_save(KVCRConnectorMetadata(saves=[bad]))
+    worker.shutdown()
+    reader = GuardClient(guard.socket, SPEC, 2 * PAGE)
+    assert reader.lookup(keys) == 0 and reader.stats().filling_blocks == 0
+    assert stats.take().data["failures"]["save_copy"] == 1  # type: ignore[union-attr]
+    reader.close()
+
+
+def test_unexpected_layouts_disable_kvcr_instead_of_copying_garbage(guard) -> None:
+    """KV tensors without a block axis, or pages that do not add up, disable the worker."""
+    stats = StatsRecorder()
+    worker = make_worker(guard.socket, stats)
+    worker.register_kv_caches({"l0": torch.zeros(3, 7)})
+    worker.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan("r", (1,), ((0,),))]))
+    assert worker.get_block_ids_with_load_errors() == {1}
+    assert stats.take().data["failures"]["config"] == 1  # type: ignore[union-attr]
+    worker.shutdown()
