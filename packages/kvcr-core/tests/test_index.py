@@ -184,3 +184,14 @@ def test_invalid_capacity_refused() -> None:
     """A zero-slot index is a configuration bug, reported at construction."""
     with pytest.raises(ValueError, match="at least one slot"):
         make(0)
+
+
+def test_settle_publishes_only_the_intact_blocks() -> None:
+    """A transfer where some blocks arrived corrupt publishes only the good ones."""
+    idx = make(4)
+    keys = random_keys(3)
+    res = idx.reserve(keys)
+    assert idx.settle(res.op, [keys[0], keys[2]]) == (2, 1)
+    assert idx.contains(keys) == [True, False, True]
+    assert idx.free_slots == 2 and idx.filling_blocks == 0
+    assert idx.settle(res.op, keys) == (0, 0)  # settled ops are gone

@@ -205,6 +205,29 @@ class BlockIndex:
                      record.slots[::-1], record.keys[::-1])
         return len(record.slots)
 
+    def settle(self, op: OpId, keep: Iterable[BlockKey], owner: OwnerId | None = None
+               ) -> tuple[int, int]:
+        """Publishes the reserved blocks in `keep` and frees the others (a transfer where
+        only some blocks arrived intact). Returns (published, dropped)."""
+        record = self._close_op(op, writing=True, owner=owner)
+        if record is None:
+            return 0, 0
+        wanted = set(keep)
+        ready, filling, state = self._ready, self._filling, self._state
+        kept_slots: list[SlotId] = []
+        kept_keys: list[BlockKey] = []
+        for key, slot in zip(record.keys, record.slots, strict=True):
+            del filling[key]
+            if key in wanted:
+                state[slot] = _READY
+                ready[key] = slot
+                kept_slots.append(slot)
+                kept_keys.append(key)
+            else:
+                self._free_slot(slot)
+        self._notify(self._ready_many, self.policy.on_ready, kept_slots[::-1], kept_keys[::-1])
+        return len(kept_slots), len(record.slots) - len(kept_slots)
+
     def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
         """Frees a reservation's slots unpublished; returns how many. Unknown or foreign: 0."""
         record = self._close_op(op, writing=True, owner=owner)

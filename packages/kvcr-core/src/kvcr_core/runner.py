@@ -79,6 +79,16 @@ class NamespaceStore:
         self._metrics.on_commit(self._clock() - start, n, self.pool.slot_bytes)
         return n
 
+    def settle(self, op: OpId, keep: Sequence[BlockKey]) -> tuple[int, int]:
+        """Publishes the reserved blocks in `keep`, frees the rest (see BlockIndex.settle)."""
+        start = self._clock()
+        with self.lock:
+            published, dropped = self.index.settle(op, keep)
+        self._metrics.on_commit(self._clock() - start, published, self.pool.slot_bytes)
+        if dropped:
+            self._metrics.on_reclaimed(dropped)
+        return published, dropped
+
     def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
         start = self._clock()
         with self.lock:

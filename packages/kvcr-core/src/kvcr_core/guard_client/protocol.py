@@ -17,17 +17,19 @@ Pure data and codecs; thread-safe.
 from __future__ import annotations
 
 import enum
-import socket
-import struct
 from typing import Annotated, Any, Final
 
 import msgspec
 
+from kvcr_core.framing import FRAME_HEADER as FRAME_HEADER
+from kvcr_core.framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
+from kvcr_core.framing import FrameError as FrameError
+from kvcr_core.framing import frame
+from kvcr_core.framing import recv_frame as recv_frame
+
 PROTOCOL_VERSION: Final = 1
-MAX_FRAME_BYTES: Final = 1 << 20
 MAX_OPS_PER_REQUEST: Final = 256
 MAX_KEYS_PER_OP: Final = 8192
-FRAME_HEADER = struct.Struct("<I")
 NO_SLOT: Final = -1
 
 # Validated by the decoder (in C): a wrong key length or too many keys/ops is MALFORMED.
@@ -189,10 +191,7 @@ _daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
 
 
 def encode_frame(message: _Msg) -> bytes:
-    payload = _encoder.encode(message)
-    if len(payload) > MAX_FRAME_BYTES:
-        raise ValueError(f"message of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
-    return FRAME_HEADER.pack(len(payload)) + payload
+    return frame(_encoder.encode(message))
 
 
 def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Probe | Request:
@@ -208,38 +207,3 @@ def decode_daemon(payload: bytes | bytearray | memoryview
 def op_key_count(op: Op) -> int:
     keys = getattr(op, "keys", None)
     return 0 if keys is None else len(keys)
-
-
-class FrameError(ValueError):
-    """The peer announced a frame larger than `MAX_FRAME_BYTES`."""
-
-
-def recv_frame(sock: socket.socket, *, max_fds: int = 0) -> tuple[bytearray, list[int]]:
-    """One frame's payload from a blocking socket (and fds passed with its first bytes).
-
-    Raises ConnectionError when the peer closes, FrameError on an oversized length.
-    """
-    fds: list[int] = []
-    header = bytearray()
-    while len(header) < FRAME_HEADER.size:
-        want = FRAME_HEADER.size - len(header)
-        if max_fds and not fds:
-            data, got, _, _ = socket.recv_fds(sock, want, max_fds)
-            fds.extend(got)
-        else:
-            data = sock.recv(want)
-        if not data:
-            raise ConnectionError("the peer closed the connection")
-        header += data
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"peer announced a {length}-byte frame (limit {MAX_FRAME_BYTES})")
-    payload = bytearray(length)
-    view = memoryview(payload)
-    got_bytes = 0
-    while got_bytes < length:
-        n = sock.recv_into(view[got_bytes:])
-        if n == 0:
-            raise ConnectionError("the peer closed the connection mid-frame")
-        got_bytes += n
-    return payload, fds

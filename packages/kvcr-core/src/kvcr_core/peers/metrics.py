@@ -1,0 +1,65 @@
+"""`kvcr_peer_*` collectors (one set per Runner registry), hot-path cheap like the Runner's."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from kvcr_core.metrics import LightMetrics
+from kvcr_core.peers.protocol import RefuseReason
+
+
+class FetchStatus(enum.Enum):
+    """Per-key outcome of a fetch (bounded metrics label)."""
+
+    OK = "ok"
+    PRESENT = "present"  # already READY locally: nothing to fetch
+    MISSING = "missing"  # the source does not hold it
+    CHECKSUM = "checksum"  # bytes arrived but did not match: dropped, never published
+    TIMEOUT = "timeout"  # the deadline passed first
+    CANCELLED = "cancelled"
+    CAPACITY = "capacity"  # no local slot could be reserved
+    UNREACHABLE = "unreachable"  # no connection, or it broke
+    REFUSED = "refused"  # authentication, namespace or version refused
+    PROTOCOL = "protocol"  # the source sent something malformed
+
+
+class PeerMetrics(LightMetrics):
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.fetched = {s.value: 0 for s in FetchStatus}
+        self.fetched_bytes = self.served_blocks = self.served_bytes = 0
+        self.refused = {r.value: 0 for r in RefuseReason}
+        self.register()
+
+    def on_fetch(self, counts: dict[FetchStatus, int], received_bytes: int) -> None:
+        with self.lock:
+            for status, n in counts.items():
+                self.fetched[status.value] += n
+            self.fetched_bytes += received_bytes
+
+    def on_served(self, blocks: int, sent_bytes: int) -> None:
+        with self.lock:
+            self.served_blocks += blocks
+            self.served_bytes += sent_bytes
+
+    def on_refused(self, reason: RefuseReason) -> None:
+        with self.lock:
+            self.refused[reason.value] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            yield self.labelled("kvcr_peer_fetched_blocks_total",
+                                "Blocks asked of peers, by outcome", "status", dict(self.fetched))
+            yield self.counter("kvcr_peer_fetched_bytes_total",
+                               "Block bytes received from peers and verified", self.fetched_bytes)
+            yield self.counter("kvcr_peer_served_blocks_total", "Blocks sent to peers",
+                               self.served_blocks)
+            yield self.counter("kvcr_peer_served_bytes_total", "Block bytes sent to peers",
+                               self.served_bytes)
+            yield self.labelled("kvcr_peer_refusals_total",
+                                "Peer connections refused, by reason", "reason",
+                                dict(self.refused))

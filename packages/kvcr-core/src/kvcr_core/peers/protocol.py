@@ -1,0 +1,107 @@
+"""The peer wire protocol, version 1 (docs/peers.md): framed msgpack control messages, and
+raw block bytes streamed after a fetch reply.
+
+Handshake (destination = client, source = server):
+  C -> S  Hello(version, nonce_c)
+  S -> C  Challenge(version, nonce_s, HMAC(secret, "server", nonce_s, nonce_c))
+  C -> S  Auth(HMAC(secret, "client", nonce_c, nonce_s), namespace digest, block_bytes)
+  S -> C  Ready  |  Refused(reason, detail)
+Both sides check the other's MAC; the namespace is checked only after authentication.
+Then, any number of times:
+  C -> S  Fetch(seq, keys)
+  S -> C  Blocks(seq, found, checksums)  followed by block_bytes raw bytes per found key
+Checksums are xxh3-64 of each block's bytes; the destination verifies before commit.
+Pure data and codecs; thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final
+
+import msgspec
+import xxhash
+
+from kvcr_core.framing import frame
+
+PEER_PROTOCOL_VERSION: Final = 1
+MAX_KEYS_PER_FETCH: Final = 4096
+
+Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    nonce: Nonce
+
+
+class Challenge(_Msg, tag="challenge"):
+    version: int
+    nonce: Nonce
+    mac: Mac
+
+
+class Auth(_Msg, tag="auth"):
+    mac: Mac
+    namespace: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    block_bytes: int
+
+
+class Ready(_Msg, tag="ready"):
+    pass
+
+
+class Refused(_Msg, tag="refused"):
+    reason: str
+    detail: str
+
+
+class Fetch(_Msg, tag="fetch"):
+    seq: int
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class Blocks(_Msg, tag="blocks"):
+    seq: int
+    found: list[bool]
+    checksums: list[int]
+
+
+class RefuseReason(enum.Enum):
+    """Why a peer connection was refused (bounded metrics label)."""
+
+    VERSION = "version"
+    AUTH = "auth"
+    NAMESPACE = "namespace"
+    MALFORMED = "malformed"
+    BUSY = "busy"
+
+
+ToServer = Hello | Auth | Fetch
+ToClient = Challenge | Ready | Refused | Blocks
+
+_encoder = msgspec.msgpack.Encoder()
+_server_decoder = msgspec.msgpack.Decoder(ToServer)
+_client_decoder = msgspec.msgpack.Decoder(ToClient)
+
+
+def encode(message: _Msg) -> bytes:
+    return frame(_encoder.encode(message))
+
+
+def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch:
+    return _server_decoder.decode(payload)
+
+
+def decode_to_client(payload: bytes | bytearray) -> Challenge | Ready | Refused | Blocks:
+    return _client_decoder.decode(payload)
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)

@@ -1,0 +1,275 @@
+"""Peer transfers: authenticated, checksummed, deadline-bounded, and exact across processes
+and network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig
+from kvcr_core.framing import recv_frame
+from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers import protocol as pp
+from kvcr_core.runner import NamespaceStore, Runner
+from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.types import NamespaceDigest
+
+SECRET = PeerSecret(b"correct horse battery staple!!")
+NS = NamespaceDigest(b"peer-test-ns-v1!")
+BLOCK = 16384
+NODE = str(Path(__file__).with_name("peer_node.py"))
+
+
+def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
+    registry = CollectorRegistry()
+    runner = Runner(KVCRConfig(pool_bytes=(blocks + 8) * BLOCK), registry=registry)
+    return runner, runner.open_namespace(NS, BLOCK), PeerMetrics(registry)
+
+
+@pytest.fixture
+def source() -> Iterator[tuple[PeerServer, list[bytes]]]:
+    runner, store, metrics = node()
+    keys = random_keys(40, seed=1)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics)
+    yield server, keys
+    server.close()
+    runner.close()
+
+
+def test_fetch_is_byte_exact_and_reports_per_key(source) -> None:
+    """Held keys arrive exactly and become READY; absent ones are MISSING; local ones PRESENT."""
+    server, keys = source
+    _, store, metrics = node()
+    store.store(keys[:2], [pattern_block(k, BLOCK) for k in keys[:2]])
+    wanted = [*keys[:10], *random_keys(2, seed=77)]
+    result = PeerClient(store, SECRET, metrics).fetch(server.endpoint, wanted, deadline_s=10)
+    assert result.statuses[:2] == (FetchStatus.PRESENT,) * 2
+    assert result.statuses[2:10] == (FetchStatus.OK,) * 8
+    assert result.statuses[10:] == (FetchStatus.MISSING,) * 2
+    assert result.ready_prefix() == 10 and result.received_bytes == 8 * BLOCK
+    assert store.load(keys[:10]) == [pattern_block(k, BLOCK) for k in keys[:10]]
+    assert store.lookup(wanted) == 10 and store.index.filling_blocks == 0
+    assert metrics.fetched["ok"] == 8 and metrics.fetched["missing"] == 2
+
+
+@pytest.mark.parametrize("client_secret,server_secret", [
+    (b"the wrong secret, but long enough", SECRET),
+    (SECRET, b"a server that does not know it!!"),
+])
+def test_wrong_secret_is_refused_both_ways(client_secret, server_secret) -> None:
+    """A peer without the shared secret gets nothing and serves nothing."""
+    c_secret = client_secret if isinstance(client_secret, PeerSecret) else PeerSecret(client_secret)
+    s_secret = server_secret if isinstance(server_secret, PeerSecret) else PeerSecret(server_secret)
+    runner, store, metrics = node()
+    keys = random_keys(3, seed=2)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, s_secret, metrics)
+    _, dest, dmetrics = node()
+    result = PeerClient(dest, c_secret, dmetrics).fetch(server.endpoint, keys, deadline_s=5)
+    assert set(result.statuses) == {FetchStatus.REFUSED} and "auth" in result.detail
+    assert dest.lookup(keys) == 0 and dest.index.free_slots == dest.index.capacity_slots
+    server.close()
+
+
+def test_other_namespace_is_refused(source) -> None:
+    """A destination of another namespace (model, layout, TP rank...) is refused."""
+    server, keys = source
+    registry = CollectorRegistry()
+    runner = Runner(KVCRConfig(pool_bytes=64 * BLOCK), registry=registry)
+    other = runner.open_namespace(NamespaceDigest(b"another-namespc!"), BLOCK)
+    result = PeerClient(other, SECRET, PeerMetrics(registry)).fetch(server.endpoint, keys,
+                                                                     deadline_s=5)
+    assert set(result.statuses) == {FetchStatus.REFUSED} and "namespace" in result.detail
+    assert server.metrics.refused["namespace"] == 1
+
+
+class FakeSource:
+    """A peer that authenticates correctly, then misbehaves as told."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.release = threading.Event()
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self) -> None:
+        conn, _ = self.listener.accept()
+        hello = pp.decode_to_server(recv_frame(conn)[0])
+        nonce = os.urandom(32)
+        conn.sendall(pp.encode(pp.Challenge(1, nonce, SECRET.prove(b"server", nonce,
+                                                                    hello.nonce))))
+        recv_frame(conn)
+        conn.sendall(pp.encode(pp.Ready()))
+        fetch = pp.decode_to_server(recv_frame(conn)[0])
+        blocks = [pattern_block(k, BLOCK) for k in fetch.keys]
+        sums = [pp.checksum(b) for b in blocks]
+        if self.behaviour == "wrong_bytes":
+            blocks[1] = bytes(BLOCK)  # claims the checksum of the right bytes
+        conn.sendall(pp.encode(pp.Blocks(fetch.seq, [True] * len(blocks), sums)))
+        if self.behaviour in ("stall", "die"):
+            conn.sendall(blocks[0] + blocks[1][:100])
+            if self.behaviour == "die":
+                conn.close()
+                return
+            self.release.wait(30)
+            return
+        for b in blocks:
+            conn.sendall(b)
+        self.release.wait(5)
+
+
+def test_wrong_bytes_fail_the_checksum_and_are_never_published() -> None:
+    """A block whose bytes do not match its checksum is dropped and counted; others land."""
+    fake = FakeSource("wrong_bytes")
+    _, store, metrics = node()
+    keys = random_keys(3, seed=3)
+    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=10)
+    assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
+    assert store.contains(keys) == [True, False, True]
+    assert metrics.fetched["checksum"] == 1 and store.index.filling_blocks == 0
+
+
+def test_silent_peer_costs_at_most_the_deadline() -> None:
+    """A peer that stops mid-transfer: the fetch ends by its deadline, half blocks dropped."""
+    fake = FakeSource("stall")
+    _, store, metrics = node()
+    keys = random_keys(4, seed=4)
+    start = time.monotonic()
+    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=1.0)
+    assert time.monotonic() - start < 2.0
+    assert result.statuses[0] is FetchStatus.OK
+    assert set(result.statuses[1:]) == {FetchStatus.TIMEOUT}
+    assert store.contains(keys) == [True, False, False, False] and store.index.filling_blocks == 0
+    fake.release.set()
+
+
+def test_peer_killed_mid_transfer_fails_the_rest() -> None:
+    """A peer that dies mid-block: per-key failures, nothing half-written becomes READY."""
+    fake = FakeSource("die")
+    _, store, metrics = node()
+    keys = random_keys(3, seed=5)
+    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=5)
+    assert result.statuses == (FetchStatus.OK, FetchStatus.UNREACHABLE, FetchStatus.UNREACHABLE)
+    assert store.contains(keys) == [True, False, False]
+
+
+def test_async_fetch_cancel_and_bounded_concurrency() -> None:
+    """fetch_async returns a handle; cancel ends it; past the bound it refuses at once."""
+    fake = FakeSource("stall")
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, max_concurrent=1)
+    keys = random_keys(4, seed=6)
+    handle = client.fetch_async(fake.endpoint, keys, deadline_s=3)
+    assert handle.poll() is None
+    refused = client.fetch_async(fake.endpoint, random_keys(2, seed=7), deadline_s=3)
+    assert refused.poll() is not None
+    assert set(refused.result().statuses) == {FetchStatus.CAPACITY}
+    handle.cancel()
+    fake.release.set()
+    result = handle.result(timeout=5)
+    assert FetchStatus.CANCELLED in result.statuses
+    assert set(result.statuses) <= {FetchStatus.OK, FetchStatus.CANCELLED}
+    assert store.index.filling_blocks == 0
+    client.close()
+
+
+def test_unreachable_peer_fails_fast() -> None:
+    """Nobody listening: UNREACHABLE at once, reservations returned."""
+    _, store, metrics = node()
+    port = socket.create_server(("127.0.0.1", 0))
+    dead = f"tcp://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    result = PeerClient(store, SECRET, metrics).fetch(dead, random_keys(2), deadline_s=5)
+    assert set(result.statuses) == {FetchStatus.UNREACHABLE}
+    assert store.index.free_slots == store.index.capacity_slots
+
+
+def run_node(*args: str, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([*(prefix or []), sys.executable, NODE, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_processes_transfer_1000_blocks_exactly() -> None:
+    """Across real processes over loopback TCP: 1,000 blocks, every byte checked."""
+    server = run_node("serve", "x" * 24, "127.0.0.1", "1000", str(BLOCK))
+    try:
+        assert server.stdout is not None
+        endpoint = json.loads(server.stdout.readline())["endpoint"]
+        out = subprocess.run([sys.executable, NODE, "fetch", "x" * 24, endpoint, "1000",
+                              str(BLOCK)], capture_output=True, text=True, timeout=120,
+                             check=True)
+        report = json.loads(out.stdout)
+        assert report == {**report, "fetched": 1000, "ready": 1000, "corrupt": 0}
+    finally:
+        server.kill()
+        server.wait()
+
+
+NETNS = ("kvcrpa", "kvcrpb")
+
+
+@pytest.fixture
+def netns_pair() -> Iterator[tuple[str, str]]:
+    """Two network namespaces joined by a veth pair (10.201.7.1 <-> 10.201.7.2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    a, b = NETNS
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    for ns in NETNS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", "kvcrva", "type", "veth", "peer", "name", "kvcrvb")
+        ip("link", "set", "kvcrva", "netns", a)
+        ip("link", "set", "kvcrvb", "netns", b)
+        ip("-n", a, "addr", "add", "10.201.7.1/24", "dev", "kvcrva")
+        ip("-n", b, "addr", "add", "10.201.7.2/24", "dev", "kvcrvb")
+        for ns, dev in ((a, "kvcrva"), (b, "kvcrvb")):
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in NETNS:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    yield a, b
+    for ns in NETNS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair) -> None:
+    """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly."""
+    a, b = netns_pair
+    server = run_node("serve", "y" * 24, "10.201.7.1", "1000", str(BLOCK),
+                      prefix=["ip", "netns", "exec", a])
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line, server.stderr.read() if server.stderr else ""
+        endpoint = json.loads(line)["endpoint"]
+        assert endpoint.startswith("tcp://10.201.7.1:")
+        out = subprocess.run(["ip", "netns", "exec", b, sys.executable, NODE, "fetch", "y" * 24,
+                              endpoint, "1000", str(BLOCK)], capture_output=True, text=True,
+                             timeout=120, check=True)
+        report = json.loads(out.stdout)
+        assert report["fetched"] == 1000 and report["ready"] == 1000 and report["corrupt"] == 0
+    finally:
+        server.kill()
+        server.wait()
