@@ -118,16 +118,16 @@ class FakeSource:
         sums = [pp.checksum(b) for b in blocks]
         if self.behaviour == "wrong_bytes":
             blocks[1] = bytes(BLOCK)  # claims the checksum of the right bytes
-        conn.sendall(pp.encode(pp.Blocks(fetch.seq, [True] * len(blocks), sums)))
+        conn.sendall(pp.encode(pp.Blocks(fetch.seq, [True] * len(blocks))))
         if self.behaviour in ("stall", "die"):
-            conn.sendall(blocks[0] + blocks[1][:100])
+            conn.sendall(blocks[0] + pp.CHECKSUM.pack(sums[0]) + blocks[1][:100])
             if self.behaviour == "die":
                 conn.close()
                 return
             self.release.wait(30)
             return
-        for b in blocks:
-            conn.sendall(b)
+        for b, c in zip(blocks, sums, strict=True):
+            conn.sendall(b + pp.CHECKSUM.pack(c))
         self.release.wait(5)
 
 

@@ -30,6 +30,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "guard", help="copy path through kvcr-guard, control round trip, attach time")
     guard.add_argument("--quick", action="store_true", help="short run")
     guard.add_argument("--json", action="store_true", help="print one JSON object")
+    peer = bench_sub.add_parser("peer", help="TCP peer transport vs raw TCP, fetch latency")
+    peer.add_argument("--quick", action="store_true", help="short run")
+    peer.add_argument("--json", action="store_true", help="print one JSON object")
     for plugin in _bench_plugins():  # e.g. `kvcr bench vllm` from kvcr-vllm
         extra = bench_sub.add_parser(plugin.name, help=f"benchmark from {plugin.value}")
         extra.add_argument("--quick", action="store_true", help="short run")
@@ -59,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _bench_plugins() -> list[importlib.metadata.EntryPoint]:
     """Benchmarks other kvcr packages install (entry point group `kvcr.bench`)."""
     found = importlib.metadata.entry_points(group="kvcr.bench")
-    return [ep for ep in found if ep.name not in ("pool", "guard")]
+    return [ep for ep in found if ep.name not in ("pool", "guard", "peer")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcr_core.cli.bench_guard import run_guard_bench
 
         return run_guard_bench(quick=args.quick, as_json=args.json)
+    if args.command == "bench" and args.bench == "peer":
+        from kvcr_core.cli.bench_peer import run_peer_bench
+
+        return run_peer_bench(quick=args.quick, as_json=args.json)
     if args.command == "bench" and args.bench != "pool":
         (plugin,) = [ep for ep in _bench_plugins() if ep.name == args.bench]
         result: int = plugin.load()(quick=args.quick, as_json=args.json)

@@ -2,8 +2,9 @@
 
 Destination-initiated: the local namespace store reserves slots for the keys it lacks, the
 source streams the bytes it holds, and they land straight in those slots (`recv_into`, no
-copy). Every block's xxh3-64 checksum is verified before it is published; a block that does
-not match is dropped and counted. Per-key results carry reasons (`FetchStatus`).
+copy). Every block's xxh3-64 checksum is verified before it is published (each side hashes
+while the kernel moves bytes); a block that does not match is dropped and counted. Per-key
+results carry reasons (`FetchStatus`).
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait is
 bounded by the time left); on timeout or cancel the connection is dropped (its stream would
@@ -190,17 +191,15 @@ class PeerClient:
             if isinstance(reply, pp.Refused):
                 raise PeerRefused(reply.reason, reply.detail)
             if (not isinstance(reply, pp.Blocks) or reply.seq != conn.seq
-                    or len(reply.found) != len(wanted)
-                    or len(reply.checksums) != sum(reply.found)):
+                    or len(reply.found) != len(wanted)):
                 raise FrameError("a Blocks reply that does not match the Fetch")
             view = self.store.pool.view
-            sums = iter(reply.checksums)
+            trailer = bytearray(pp.CHECKSUM.size)
             for i, found in zip(wanted, reply.found, strict=True):
                 if not found:
                     statuses[i] = FetchStatus.MISSING
                     continue
                 if cancel is not None and cancel.is_set():
-                    statuses[i] = FetchStatus.CANCELLED
                     self._fail(wanted, statuses, FetchStatus.CANCELLED)
                     return received
                 slot = slots[i]
@@ -208,8 +207,10 @@ class PeerClient:
                 target = view(slot)
                 self._timeout(conn, deadline)
                 recv_exact_into(conn.sock, target)
+                got = pp.checksum(target)  # while the kernel receives what follows
+                recv_exact_into(conn.sock, memoryview(trailer))
                 received += len(target)
-                if pp.checksum(target) == next(sums):
+                if got == pp.CHECKSUM.unpack(trailer)[0]:
                     statuses[i] = FetchStatus.OK
                     keep.append(keys[i])
                 else:

@@ -9,14 +9,17 @@ Handshake (destination = client, source = server):
 Both sides check the other's MAC; the namespace is checked only after authentication.
 Then, any number of times:
   C -> S  Fetch(seq, keys)
-  S -> C  Blocks(seq, found, checksums)  followed by block_bytes raw bytes per found key
-Checksums are xxh3-64 of each block's bytes; the destination verifies before commit.
+  S -> C  Blocks(seq, found), then per found key: block_bytes raw bytes followed by its
+          8-byte little-endian xxh3-64 checksum (hashed while the kernel sends the bytes)
+The destination hashes each block as it lands and publishes only blocks whose checksum
+matches; a transfer cut short keeps the blocks that arrived whole and verified.
 Pure data and codecs; thread-safe.
 """
 
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Annotated, Final
 
 import msgspec
@@ -70,7 +73,6 @@ class Fetch(_Msg, tag="fetch"):
 class Blocks(_Msg, tag="blocks"):
     seq: int
     found: list[bool]
-    checksums: list[int]
 
 
 class RefuseReason(enum.Enum):
@@ -101,6 +103,9 @@ def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch:
 
 def decode_to_client(payload: bytes | bytearray) -> Challenge | Ready | Refused | Blocks:
     return _client_decoder.decode(payload)
+
+
+CHECKSUM = struct.Struct("<Q")
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
