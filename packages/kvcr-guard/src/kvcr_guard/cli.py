@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcr_core.config import load_config
 from kvcr_core.errors import ConfigError
+from kvcr_core.peers import PeerSecret
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
 
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
+    ap.add_argument("--peer-listen", default="",
+                    help="serve blocks to authenticated peers on HOST:PORT (default: off)")
+    ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
+    ap.add_argument("--peer-secret-env", default="KVCR_PEER_SECRET",
+                    help="environment variable holding the secret (default KVCR_PEER_SECRET)")
     ap.add_argument("--log-level", default=None,
                     help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
     return ap
@@ -44,6 +50,11 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         overrides["log_level"] = args.log_level
     runner = load_config(args.config, overrides=overrides)
     extra: dict[str, Any] = {}
+    if args.peer_listen:
+        extra["peer_listen"] = args.peer_listen
+        extra["peer_secret"] = (PeerSecret.from_file(args.peer_secret_file)
+                                if args.peer_secret_file
+                                else PeerSecret.from_env(args.peer_secret_env))
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)
     return GuardConfig(socket_path=args.socket, runner=runner, metrics_host=args.metrics_host,

@@ -9,6 +9,7 @@ import os
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.errors import ConfigError
+from kvcr_core.peers import PeerSecret
 
 MAX_SOCKET_PATH_BYTES = 107
 
@@ -22,6 +23,8 @@ class GuardConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None
     max_clients: int = 256
+    peer_listen: str = ""  # "host:port" to serve peers on ("" = no peer server)
+    peer_secret: PeerSecret | None = None
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -40,3 +43,11 @@ class GuardConfig:
             raise ConfigError("metrics_port", self.metrics_port, "give a port in 0..65535")
         if self.max_clients < 1:
             raise ConfigError("max_clients", self.max_clients, "give a positive count")
+        if self.peer_listen:
+            host, _, port = self.peer_listen.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError("peer_listen", self.peer_listen,
+                                  "give HOST:PORT, e.g. 0.0.0.0:7500 (port 0 = any)")
+            if self.peer_secret is None:
+                raise ConfigError("peer_secret", None, "peers need the shared secret: "
+                                  "--peer-secret-file PATH or --peer-secret-env VAR")

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvcr_core.guard_client import protocol as p
 from kvcr_core.guard_client.protocol import CloseReason
+from kvcr_core.peers import PeerMetrics, PeerServer
 from kvcr_core.runner import Runner
 from kvcr_core.types import OwnerId
 from kvcr_guard._version import __version__
@@ -66,6 +67,8 @@ class GuardServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = GuardMetrics(self.registry)
+        self.peer_metrics = PeerMetrics(self.registry)
+        self.peer_server: PeerServer | None = None
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._listener: socket.socket | None = None
@@ -107,6 +110,13 @@ class GuardServer:
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self.config.peer_listen:
+            host, _, port = self.config.peer_listen.rpartition(":")
+            assert self.config.peer_secret is not None
+            self.peer_server = PeerServer(self.runner, self.config.peer_secret,
+                                          self.peer_metrics, host=host.strip("[]"),
+                                          port=int(port))
+            log.info("kvcr-guard serving peers on %s", self.peer_server.endpoint)
         if self.config.metrics_port is not None:
             server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
                                           registry=self.registry)
@@ -302,6 +312,8 @@ class GuardServer:
                 conn.sock.settimeout(1.0)
                 self._read_pending(conn)
             self._refuse(conn, CloseReason.SHUTDOWN, "kvcr-guard is stopping")
+        if self.peer_server is not None:
+            self.peer_server.close()
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -340,4 +352,5 @@ class GuardServer:
             "version": __version__, "pid": os.getpid(), "socket": self.config.socket_path,
             "uptime_s": round(time.monotonic() - self._started, 3),
             "clients": sum(c.session.attached for c in self._conns.values()),
+            "peer_endpoint": self.peer_server.endpoint if self.peer_server else None,
             "pool_bytes": self.config.runner.pool_bytes, "namespaces": namespaces})

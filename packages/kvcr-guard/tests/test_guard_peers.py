@@ -1,0 +1,64 @@
+"""A kvcr-guard serves its pool to authenticated peers, and keeps serving while the engine
+that filled it is dead (the daemon owns the memory; there is nothing to promote)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig
+from kvcr_core.keys import NamespaceSpec, sequence_keys
+from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret
+from kvcr_core.runner import Runner
+from kvcr_core.testing import pattern_block
+
+BLOCK = 16384
+SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
+                     num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
+SECRET = b"guard-peer-secret-for-tests-0123"
+
+
+def test_peers_fetch_from_a_guard_whose_engine_was_killed(short_tmp, harness) -> None:
+    """Engine stores through the guard, is SIGKILLed; a peer node then fetches every block
+    from the guard's peer endpoint byte-exactly."""
+    secret_file = os.path.join(short_tmp, "peer.secret")
+    with open(secret_file, "wb") as f:
+        f.write(SECRET)
+    guard = harness.Guard(short_tmp, "--peer-listen", "127.0.0.1:0", "--peer-secret-file",
+                          secret_file).start()
+    engine = harness.start_worker(guard, "store-hang", 21, 12)
+    assert engine.stdout is not None
+    assert json.loads(engine.stdout.readline()) == {"stored": 12}
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(timeout=10)
+    kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
+    status = json.loads(subprocess.run([kvcr, "status", "--socket", guard.socket, "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    endpoint = status["peer_endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:")
+    registry = CollectorRegistry()
+    with Runner(KVCRConfig(pool_bytes=64 * BLOCK), registry=registry) as node:
+        store = node.open_namespace(SPEC, BLOCK)
+        keys = sequence_keys(SPEC, [21 * 100_000 + t for t in range(16 * 12)])
+        client = PeerClient(store, PeerSecret(SECRET), PeerMetrics(registry))
+        result = client.fetch(endpoint, keys, deadline_s=10)
+        assert result.statuses == (FetchStatus.OK,) * 12
+        assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+        client.close()
+    assert guard.metric("kvcr_peer_served_blocks_total") == 12
+    assert guard.stop() == 0
+    guard.log.close()
+
+
+def test_peer_listen_without_a_secret_is_a_clear_error(short_tmp) -> None:
+    """Serving peers without the shared secret refuses to start, naming the fix."""
+    env = {k: v for k, v in os.environ.items() if k != "KVCR_PEER_SECRET"}
+    out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket",
+                          os.path.join(short_tmp, "g.sock"), "--peer-listen", "127.0.0.1:0"],
+                         capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert out.returncode == 2 and "KVCR_PEER_SECRET" in out.stderr
