@@ -127,3 +127,49 @@ def test_embedded_mode_serves_the_engine_from_its_own_runner(run_engine) -> None
         "vllm:prefix_cache_hits"]
     assert second["tokens"] == first["tokens"]
     assert set(glob.glob("/tmp/kvcr-*.sock")) == before
+
+
+def engine_namespace(model: str):
+    config = EngineArgs(model=model, dtype="float32", max_model_len=4096, block_size=32,
+                        enforce_eager=True).create_engine_config()
+    return namespace_for(config, 0)
+
+
+def test_hint_fetches_from_the_named_peer_and_recomputes_when_it_is_gone(
+        run_engine, start_engine, tiny_model, monkeypatch) -> None:
+    """Embedded engines: a request to B with a kv_hint naming A fetches A's blocks (external
+    hits, same output); with A killed, B recomputes within the fetch deadline; a hint naming
+    an endpoint that is not a configured peer is refused and counted."""
+    from kvcr_core.keys import router_hashes
+
+    monkeypatch.setenv("KVCR_PEER_SECRET", "e2e-peer-secret-0123456789abcdef")
+    prompt = PROMPT[:1300]
+    a = start_engine("plugin", [{"tokens": prompt}], {"peer_listen": "127.0.0.1:0"}, hold=True)
+    try:
+        served = next_json(a)
+        assert next_json(a) == {"holding": True}
+        endpoint = served["params"]["kvcr_peer_endpoint"]
+        hashes = router_hashes(sequence_keys(engine_namespace(tiny_model), prompt))
+        hint = {"kv_hint": {"protocol_version": "0.1", "message_id": "m1", "actions": [{
+            "action_type": "kv.fetch", "action_version": "1.0",
+            "payload": {"source_control_endpoint": endpoint, "block_hashes": hashes}}]}}
+        stranger = {"kv_hint": {"protocol_version": "0.1", "actions": [{
+            "action_type": "kv.fetch", "action_version": "1.0",
+            "payload": {"source_control_endpoint": "tcp://127.0.0.1:9", "block_hashes": hashes}}]}}
+        (b, b_stranger) = run_engine(
+            "plugin", [{"tokens": prompt, "params": hint},
+                       {"tokens": prompt[:700] + [5] * 40, "params": stranger}],
+            {"peers": [endpoint], "fetch_deadline_s": 5})
+        assert b["metrics"]["vllm:external_prefix_cache_hits"] >= (1300 // 32) * 32 - 32, b
+        assert b["metrics"]["vllm:kvcr_peer_fetched_blocks"] >= 1300 // 32 - 1
+        assert b["tokens"] == served["tokens"]
+        assert b_stranger["metrics"]["vllm:kvcr_failures{reason=peer_not_allowed}"] == 1
+    finally:
+        a.kill()
+        a.wait(timeout=30)
+    (c,) = run_engine("plugin", [{"tokens": prompt, "params": hint}],
+                      {"peers": [endpoint], "fetch_deadline_s": 2})
+    assert c["tokens"] == served["tokens"]
+    assert c["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert c["metrics"]["vllm:kvcr_failures{reason=peer_fetch}"] >= 1
+    assert c["seconds"] < 30

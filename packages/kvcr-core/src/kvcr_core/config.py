@@ -27,7 +27,7 @@ from typing import Any
 from kvcr_core.errors import ConfigError
 
 ENV_PREFIX = "KVCR_"
-FOREIGN_ENV_VARS: frozenset[str] = frozenset()
+FOREIGN_ENV_VARS: frozenset[str] = frozenset({"KVCR_PEER_SECRET"})  # read by kvcr_core.peers
 """KVCR_* variables owned by other kvcr tools; `load_config` skips them instead of refusing."""
 
 CONFIG_FILE_SECTION = "kvcr"

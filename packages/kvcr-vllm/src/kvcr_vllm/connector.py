@@ -81,10 +81,12 @@ class KVCRConnector(KVConnectorBase_V1):
             if self.settings.mode is Mode.EMBEDDED:
                 from kvcr_vllm.embedded import EmbeddedRunner
 
-                self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner)
+                self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner,
+                                                peer_listen=self.settings.peer_listen,
+                                                peer_secret=self.settings.peer_secret)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
             self._scheduler = KVCRConnectorScheduler(self.settings, specs, block_bytes,
-                                                     self.stats, engine_id)
+                                                     self.stats, engine_id, self._embedded)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -2,7 +2,8 @@
 
 It is served to this engine's workers exactly as kvcr-guard serves engines (the same
 `GuardServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
-run one code path. The socket is removed when the engine shuts down or exits.
+run one code path; with `peer_listen` it also serves other nodes. The socket is removed when
+the engine shuts down or exits.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from kvcr_guard.config import GuardConfig
 from kvcr_guard.server import GuardServer
 
 from kvcr_core.config import KVCRConfig
+from kvcr_core.peers import PeerSecret
 
 log = logging.getLogger("kvcr_vllm")
 
 
 class EmbeddedRunner:
-    def __init__(self, socket_path: str, runner_config: KVCRConfig) -> None:
+    def __init__(self, socket_path: str, runner_config: KVCRConfig, *, peer_listen: str = "",
+                 peer_secret: PeerSecret | None = None) -> None:
         self.socket_path = socket_path
-        self.server = GuardServer(GuardConfig(socket_path=socket_path, runner=runner_config))
+        self.server = GuardServer(GuardConfig(socket_path=socket_path, runner=runner_config,
+                                              peer_listen=peer_listen, peer_secret=peer_secret))
         self.server.listen()
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)

@@ -14,6 +14,10 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
+- Hints (embedded mode): a `kv_hint` naming an allowed peer (`peers`) makes the scheduler
+  fetch the hinted blocks that extend kvcr's local prefix into the embedded pool, answering
+  "ask again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the
+  normal lookup and load follow. A hint naming any other endpoint is refused and counted.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -24,9 +28,12 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.guard_client import GuardClient, GuardUnavailable
 from kvcr_core.hints import HintIntake, HintLimits, KVHint
-from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
+from kvcr_core.peers import PeerClient
+from kvcr_core.peers.client import FetchHandle
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
@@ -37,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvcr_vllm.embedded import EmbeddedRunner
 
 log = logging.getLogger("kvcr_vllm")
 
@@ -51,6 +60,8 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
     loading_ops: list[OpId] | None = None  # leases per rank while a load runs
     loaded_tokens: int = 0
+    fetch: FetchHandle | None = None  # a hinted peer fetch in flight
+    hint_done: bool = False
     block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
     finished: bool = False
@@ -71,7 +82,8 @@ def bypass_reason(request: Request) -> str | None:
 
 class KVCRConnectorScheduler:
     def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
-                 block_bytes: int, stats: StatsRecorder, engine_id: str) -> None:
+                 block_bytes: int, stats: StatsRecorder, engine_id: str,
+                 embedded: EmbeddedRunner | None = None) -> None:
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
@@ -85,6 +97,8 @@ class KVCRConnectorScheduler:
                                                   max_bytes=runner.max_hint_bytes))
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
+        self._embedded = embedded
+        self._peer_client: PeerClient | None = None
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -120,10 +134,12 @@ class KVCRConnectorScheduler:
             state.hint = self.hints.accept(params["kv_hint"])
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if state.bypass or not self.settings.load:
             return 0, False
+        if state.hint is not None and not state.hint_done and self._hint_pending(state):
+            return None, False  # a hinted fetch runs: ask again next step (bounded by deadline)
         bs = self.block_size
         # A hit may cover the whole prompt: after an async load vLLM recomputes the last
         # token itself (so it can sample the next one).
@@ -142,6 +158,65 @@ class KVCRConnectorScheduler:
             return 0, False
         state.local_tokens = num_computed_tokens
         return hit * bs - num_computed_tokens, True
+
+    # -- hints -------------------------------------------------------------------------------
+
+    def _hint_pending(self, state: _RequestState) -> bool:
+        """Starts or polls the fetch of hinted blocks that extend kvcr's local prefix."""
+        if state.fetch is None:
+            state.fetch = self._start_fetch(state)
+            if state.fetch is None:
+                state.hint_done = True
+                return False
+            return True
+        result = state.fetch.poll()
+        if result is None:
+            return True
+        state.hint_done = True
+        self.stats.add("peer_fetched_blocks", result.fetched)
+        if result.fetched < len(result.statuses):
+            self.stats.failure("peer_fetch", len(result.statuses) - result.fetched)
+        return False
+
+    def _start_fetch(self, state: _RequestState) -> FetchHandle | None:
+        assert state.hint is not None
+        allowed = [f for f in state.hint.fetches if f.source_endpoint in self.settings.peers]
+        if not allowed:
+            if state.hint.fetches:
+                self.stats.failure("peer_not_allowed")
+            return None
+        action = allowed[0]
+        n_blocks = state.request.num_tokens // self.block_size
+        keys = self._keys(state, n_blocks)[0]
+        try:
+            have = self.clients[0].lookup(keys)  # (also opens the namespace on first use)
+        except GuardUnavailable:
+            self.stats.failure("guard_unavailable")
+            return None
+        client = self._peer()
+        if client is None:
+            self.stats.failure("peer_fetch")
+            return None
+        end = have
+        while end < len(keys) and router_hash_kvcr_v1(keys[end]) in action.block_hashes:
+            end += 1  # the hinted run that extends the local prefix, never across a hole
+        if end == have:
+            return None
+        return client.fetch_async(action.source_endpoint, keys[have:end],
+                                  self.settings.fetch_deadline_s)
+
+    def _peer(self) -> PeerClient | None:
+        """Fetches land in the embedded Runner's pool (single TP rank)."""
+        if self._peer_client is None and self._embedded is not None and len(self.specs) == 1:
+            server = self._embedded.server
+            try:
+                store = server.runner.namespace(self.specs[0].digest())
+            except UnknownNamespaceError:
+                return None
+            assert self.settings.peer_secret is not None
+            self._peer_client = PeerClient(store, self.settings.peer_secret,
+                                           server.peer_metrics)
+        return self._peer_client
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -232,6 +307,8 @@ class KVCRConnectorScheduler:
             return False, None
         params: dict[str, Any] = {"kvcr_loaded_tokens": state.loaded_tokens,
                                   "kvcr_saved_blocks": state.planned_blocks}
+        if self._embedded is not None and self._embedded.server.peer_server is not None:
+            params["kvcr_peer_endpoint"] = self._embedded.server.peer_server.endpoint
         if state.loading_ops is not None:
             # Finished (aborted) while its load runs: vLLM frees the blocks once the workers
             # report the load, and the leases are released then.

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
-from kvcr_core.errors import ConfigError
+from kvcr_core.errors import ConfigError, HintRejected
+from kvcr_core.hints import Endpoint
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.peers import PeerSecret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,11 +41,16 @@ class ConnectorSettings:
     save: bool = True
     timeout_s: float = 2.0
     identity: str = ""
+    peer_listen: str = ""
+    peer_secret: PeerSecret | None = None
+    peers: frozenset[str] = frozenset()
+    fetch_deadline_s: float = 2.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str) -> ConnectorSettings:
         known = {"mode", "socket", "pool_bytes", "config_file", "kvcr", "load", "save",
-                 "timeout_s", "identity"}
+                 "timeout_s", "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
+                 "peers", "fetch_deadline_s"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}", extra[unknown[0]],
@@ -86,8 +93,40 @@ class ConnectorSettings:
         identity = extra.get("identity", "")
         if not isinstance(identity, str):
             raise ConfigError("kv_connector_extra_config.identity", identity, "give a string")
+        peer = _peer_settings(extra, mode)
         return cls(mode=mode, socket=socket_path, runner=runner, load=flags["load"],
-                   save=flags["save"], timeout_s=float(timeout), identity=identity)
+                   save=flags["save"], timeout_s=float(timeout), identity=identity, **peer)
+
+
+def _peer_settings(extra: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
+    """Peer keys: where this engine serves its blocks, the shared secret, and the peers a KV
+    hint may name (a hint can never make the engine dial anything else)."""
+    field = "kv_connector_extra_config"
+    listen = extra.get("peer_listen", "")
+    peers = extra.get("peers", [])
+    if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+        raise ConfigError(f"{field}.peers", peers, "give a list of \"tcp://host:port\"")
+    for peer in peers:
+        try:
+            Endpoint.parse(peer, where=f"{field}.peers")
+        except HintRejected as exc:
+            raise ConfigError(f"{field}.peers", peer, exc.detail) from None
+    deadline = extra.get("fetch_deadline_s", 2.0)
+    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not (
+            0 < deadline <= 60):
+        raise ConfigError(f"{field}.fetch_deadline_s", deadline, "give seconds in (0, 60]")
+    if not isinstance(listen, str):
+        raise ConfigError(f"{field}.peer_listen", listen, "give \"host:port\"")
+    secret = None
+    if listen or peers:
+        if mode is not Mode.EMBEDDED:
+            raise ConfigError(f"{field}.peer_listen", listen or peers,
+                              "in guarded mode kvcr-guard serves peers: use its --peer-listen")
+        secret = (PeerSecret.from_file(extra["peer_secret_file"]) if "peer_secret_file" in extra
+                  else PeerSecret.from_env(extra.get("peer_secret_env", "KVCR_PEER_SECRET")))
+    return {"peer_listen": listen, "peer_secret": secret,
+            "peers": frozenset(str(Endpoint.parse(p)) for p in peers),
+            "fetch_deadline_s": float(deadline)}
 
 
 def _dtype_name(dtype: object) -> str:

@@ -21,9 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvcr_core.metrics import HINT_OUTCOMES
 
 COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
-            "lookup_hit_tokens", "lookups")
+            "lookup_hit_tokens", "lookups", "peer_fetched_blocks")
 FAILURE_REASONS = ("guard_unavailable", "load_copy", "save_copy", "evicted_before_load",
-                   "save_refused", "config")
+                   "save_refused", "config", "peer_not_allowed", "peer_fetch")
 BYPASS_REASONS = ("multimodal", "prompt_embeds", "lora", "cache_salt")
 _LOAD_SAMPLES_MAX = 512
 _LOAD_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -115,7 +115,8 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 "stored_blocks": "Blocks saved from the engine into kvcr",
                 "stored_tokens": "Tokens whose KV was saved into kvcr",
                 "lookup_hit_tokens": "Tokens kvcr offered beyond the engine's own prefix cache",
-                "lookups": "kvcr lookups made by the scheduler"}
+                "lookups": "kvcr lookups made by the scheduler",
+                "peer_fetched_blocks": "Blocks fetched from a hinted peer (verified)"}
         self._counters = {name: self._counter_cls(
             name=f"vllm:kvcr_{name}_total", documentation=doc, labelnames=labelnames)
             for name, doc in docs.items()}
