@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from kvcr_core.eviction import EvictionPolicy
 from kvcr_core.types import LOCAL_OWNER, BlockKey, OpId, OwnerId, SlotId, SlotState
@@ -48,6 +49,14 @@ class Lease:
     op: OpId
     slots: tuple[SlotId | None, ...]
     granted: int
+
+
+class InventoryListener(Protocol):
+    """Told of every block that becomes READY and every READY block that goes."""
+
+    def stored(self, keys: list[BlockKey]) -> None: ...
+
+    def removed(self, keys: list[BlockKey]) -> None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,6 +92,7 @@ class BlockIndex:
         self._op_ids = itertools.count(1)
         self.evictions = 0
         self.policy_faults = 0
+        self.listener: InventoryListener | None = None
         self._ready_many = getattr(policy, "on_ready_many", None)
         self._access_many = getattr(policy, "on_access_many", None)
 
@@ -203,6 +213,8 @@ class BlockIndex:
         # sequences from the tail (a chain without its head is useless to lookup).
         self._notify(self._ready_many, self.policy.on_ready,
                      record.slots[::-1], record.keys[::-1])
+        if self.listener is not None:
+            self.listener.stored(record.keys)
         return len(record.slots)
 
     def settle(self, op: OpId, keep: Iterable[BlockKey], owner: OwnerId | None = None
@@ -226,6 +238,8 @@ class BlockIndex:
             else:
                 self._free_slot(slot)
         self._notify(self._ready_many, self.policy.on_ready, kept_slots[::-1], kept_keys[::-1])
+        if self.listener is not None:
+            self.listener.stored(kept_keys)
         return len(kept_slots), len(record.slots) - len(kept_slots)
 
     def abort(self, op: OpId, owner: OwnerId | None = None) -> int:
@@ -297,13 +311,19 @@ class BlockIndex:
 
     def discard(self, keys: Iterable[BlockKey]) -> int:
         """Drops READY, unleased blocks (e.g. known-bad content); returns how many."""
-        dropped = 0
-        for key in keys:
-            slot = self._ready.get(key)
-            if slot is not None and self._lease_count[slot] == 0:
-                self._remove_ready(slot, key, evicted=False)
-                dropped += 1
-        return dropped
+        listener, self.listener = self.listener, None  # one event batch, not one per key
+        gone: list[BlockKey] = []
+        try:
+            for key in keys:
+                slot = self._ready.get(key)
+                if slot is not None and self._lease_count[slot] == 0:
+                    self._remove_ready(slot, key, evicted=False)
+                    gone.append(key)
+        finally:
+            self.listener = listener
+        if listener is not None and gone:
+            listener.removed(gone)
+        return len(gone)
 
     # -- mechanism -------------------------------------------------------------------------
 
@@ -367,6 +387,8 @@ class BlockIndex:
 
     def _remove_ready(self, slot: SlotId, key: BlockKey, *, evicted: bool) -> None:
         del self._ready[key]
+        if self.listener is not None:
+            self.listener.removed([key])
         try:
             self.policy.on_remove(slot, key, evicted)
         except Exception:

@@ -23,6 +23,7 @@ from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
 from kvcr_core.eviction import make_policy, resolve_policy
 from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.index import BlockIndex, Lease, Reservation
+from kvcr_core.inventory import InventoryLog
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
 from kvcr_core.metrics import CapacityResource, RunnerMetrics
@@ -136,6 +137,19 @@ class NamespaceStore:
         self.pool.close()
 
 
+class _NamespaceEvents:
+    """Feeds one namespace's index events into the Runner's inventory log."""
+
+    def __init__(self, log: InventoryLog, digest: NamespaceDigest) -> None:
+        self.log, self.digest = log, digest
+
+    def stored(self, keys: list[BlockKey]) -> None:
+        self.log.stored(self.digest, keys)
+
+    def removed(self, keys: list[BlockKey]) -> None:
+        self.log.removed(self.digest, keys)
+
+
 class Runner:
     """Owns every namespace's pool within `config.pool_bytes`, the metrics, and the hint
     intake (`runner.hints.accept(raw)`: a validated `KVHint`, or None, counted)."""
@@ -149,6 +163,7 @@ class Runner:
             max_actions=self.config.max_hint_actions, max_hashes=self.config.max_hint_hashes,
             max_bytes=self.config.max_hint_bytes))
         self._stores: dict[NamespaceDigest, NamespaceStore] = {}
+        self.inventory = InventoryLog()
         self._lock = threading.Lock()
         self._closed = False
         self.metrics.bind_pool_gauges(self._used_bytes, self._capacity_bytes)
@@ -189,6 +204,7 @@ class Runner:
             index = BlockIndex(slots, make_policy(cfg.eviction_policy, slots),
                                max_reservations=cfg.max_reservations,
                                max_leases=cfg.max_leases)
+            index.listener = _NamespaceEvents(self.inventory, digest)
             store = NamespaceStore(digest, SlotPool(region, block_bytes), index, self.metrics)
             self._stores[digest] = store
             return store

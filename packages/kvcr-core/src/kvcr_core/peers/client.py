@@ -252,26 +252,32 @@ class PeerClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock)
-            nonce = new_nonce()
-            sock.sendall(pp.encode(pp.Hello(pp.PEER_PROTOCOL_VERSION, nonce)))
             self._timeout(conn, deadline)
-            challenge = pp.decode_to_client(recv_frame(sock)[0])
-            if isinstance(challenge, pp.Refused):
-                raise PeerRefused(challenge.reason, challenge.detail)
-            if not isinstance(challenge, pp.Challenge):
-                raise FrameError("expected Challenge")
-            if not self.secret.check(b"server", challenge.nonce, nonce, challenge.mac):
-                raise PeerRefused("auth", f"{endpoint} does not know the shared peer secret")
-            sock.sendall(pp.encode(pp.Auth(self.secret.prove(b"client", nonce, challenge.nonce),
-                                           self.store.digest, self.store.block_bytes)))
-            self._timeout(conn, deadline)
-            ready = pp.decode_to_client(recv_frame(sock)[0])
-            if isinstance(ready, pp.Refused):
-                raise PeerRefused(ready.reason, ready.detail)
-            if not isinstance(ready, pp.Ready):
-                raise FrameError("expected Ready")
+            authenticate(sock, self.secret, self.store.digest, self.store.block_bytes, endpoint)
             return conn
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
             raise
+
+
+def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,
+                 endpoint: str) -> None:
+    """The client half of the handshake (docs/peers.md); the socket's timeout bounds it.
+    An empty `namespace` asks for an inventory-only session."""
+    nonce = new_nonce()
+    sock.sendall(pp.encode(pp.Hello(pp.PEER_PROTOCOL_VERSION, nonce)))
+    challenge = pp.decode_to_client(recv_frame(sock)[0])
+    if isinstance(challenge, pp.Refused):
+        raise PeerRefused(challenge.reason, challenge.detail)
+    if not isinstance(challenge, pp.Challenge):
+        raise FrameError("expected Challenge")
+    if not secret.check(b"server", challenge.nonce, nonce, challenge.mac):
+        raise PeerRefused("auth", f"{endpoint} does not know the shared peer secret")
+    sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce), namespace,
+                                   block_bytes)))
+    ready = pp.decode_to_client(recv_frame(sock)[0])
+    if isinstance(ready, pp.Refused):
+        raise PeerRefused(ready.reason, ready.detail)
+    if not isinstance(ready, pp.Ready):
+        raise FrameError("expected Ready")

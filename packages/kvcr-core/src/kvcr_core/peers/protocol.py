@@ -29,6 +29,7 @@ from kvcr_core.framing import frame
 
 PEER_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_FETCH: Final = 4096
+MAX_INVENTORY_BATCHES: Final = 16  # 16 batches of <= 4096 events fit a 1 MiB frame
 
 Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
@@ -52,7 +53,7 @@ class Challenge(_Msg, tag="challenge"):
 
 class Auth(_Msg, tag="auth"):
     mac: Mac
-    namespace: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+    namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
     block_bytes: int
 
 
@@ -75,6 +76,26 @@ class Blocks(_Msg, tag="blocks"):
     found: list[bool]
 
 
+class Inventory(_Msg, tag="inventory"):
+    """Inventory batches after `since` (a router polling what this runner stored/removed)."""
+
+    since: int
+    max_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_INVENTORY_BATCHES)]
+
+
+class InventoryBatchMsg(_Msg, tag="batch"):
+    seq: int
+    namespace: bytes
+    stored: list[int]
+    removed: list[int]
+
+
+class InventoryReply(_Msg, tag="inventory_reply"):
+    reset: bool  # the reader fell behind the log: forget this runner's blocks, then rebuild
+    last_seq: int
+    batches: list[InventoryBatchMsg]
+
+
 class RefuseReason(enum.Enum):
     """Why a peer connection was refused (bounded metrics label)."""
 
@@ -85,8 +106,8 @@ class RefuseReason(enum.Enum):
     BUSY = "busy"
 
 
-ToServer = Hello | Auth | Fetch
-ToClient = Challenge | Ready | Refused | Blocks
+ToServer = Hello | Auth | Fetch | Inventory
+ToClient = Challenge | Ready | Refused | Blocks | InventoryReply
 
 _encoder = msgspec.msgpack.Encoder()
 _server_decoder = msgspec.msgpack.Decoder(ToServer)
@@ -97,11 +118,12 @@ def encode(message: _Msg) -> bytes:
     return frame(_encoder.encode(message))
 
 
-def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch:
+def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch | Inventory:
     return _server_decoder.decode(payload)
 
 
-def decode_to_client(payload: bytes | bytearray) -> Challenge | Ready | Refused | Blocks:
+def decode_to_client(payload: bytes | bytearray
+                     ) -> Challenge | Ready | Refused | Blocks | InventoryReply:
     return _client_decoder.decode(payload)
 
 

@@ -100,9 +100,12 @@ class PeerServer:
             while True:
                 payload, _ = recv_frame(conn)
                 message = pp.decode_to_server(payload)
-                if not isinstance(message, pp.Fetch):
-                    raise _Refuse(RefuseReason.MALFORMED, "expected Fetch")
-                self._fetch(conn, store, message, owner)
+                if isinstance(message, pp.Inventory):
+                    self._inventory(conn, message)
+                elif isinstance(message, pp.Fetch) and store is not None:
+                    self._fetch(conn, store, message, owner)
+                else:
+                    raise _Refuse(RefuseReason.MALFORMED, "expected Fetch or Inventory")
         except _Refuse as exc:
             self._refuse(conn, exc.reason, exc.detail)
         except (msgspec.MsgspecError, FrameError) as exc:
@@ -114,7 +117,7 @@ class PeerServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> NamespaceStore:
+    def _handshake(self, conn: socket.socket) -> NamespaceStore | None:
         hello = pp.decode_to_server(recv_frame(conn)[0])
         if not isinstance(hello, pp.Hello):
             raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
@@ -129,6 +132,11 @@ class PeerServer:
             raise _Refuse(RefuseReason.MALFORMED, "expected Auth")
         if not self.secret.check(b"client", hello.nonce, nonce, auth.mac):
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
+        if not auth.namespace:  # an inventory reader (a router)
+            conn.sendall(pp.encode(pp.Ready()))
+            return None
+        if len(auth.namespace) != 16:
+            raise _Refuse(RefuseReason.MALFORMED, "a namespace digest is 16 bytes")
         try:
             store = self.runner.namespace(NamespaceDigest(auth.namespace))
         except UnknownNamespaceError:
@@ -154,6 +162,13 @@ class PeerServer:
             self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
         finally:
             store.release(lease.op)
+
+    def _inventory(self, conn: socket.socket, request: pp.Inventory) -> None:
+        reset, batches = self.runner.inventory.read(request.since, request.max_batches)
+        conn.sendall(pp.encode(pp.InventoryReply(
+            reset, self.runner.inventory.last_seq,
+            [pp.InventoryBatchMsg(b.seq, b.namespace, list(b.stored), list(b.removed))
+             for b in batches])))
 
     def _refuse(self, conn: socket.socket, reason: RefuseReason, detail: str) -> None:
         self.metrics.on_refused(reason)

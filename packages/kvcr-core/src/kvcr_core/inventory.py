@@ -1,0 +1,77 @@
+"""Inventory events: which blocks a Runner stored and removed, in numbered batches, for
+KV-aware routers (wire format: docs/peers.md "Inventory").
+
+The index reports every block that becomes READY and every READY block that goes (evicted or
+discarded); `InventoryLog` groups them per namespace into batches with a global sequence
+number. Readers poll with the last sequence they saw. The log is bounded (`max_batches`
+batches of at most `max_events` events); a reader that fell behind the oldest kept batch gets
+`reset=True` and must drop what it knew of this runner, then rebuild from what follows.
+Events carry the `kvcr-v1` router hashes of the keys. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import deque
+
+from kvcr_core.keys import router_hash_kvcr_v1
+from kvcr_core.types import BlockKey, NamespaceDigest
+
+
+@dataclasses.dataclass(frozen=True)
+class InventoryBatch:
+    seq: int
+    namespace: bytes
+    stored: tuple[int, ...]  # router hashes (u64) of blocks that became READY
+    removed: tuple[int, ...]  # router hashes of READY blocks that went away
+
+
+class InventoryLog:
+    def __init__(self, max_batches: int = 1024, max_events: int = 4096) -> None:
+        self.max_events = max_events
+        self._lock = threading.Lock()
+        self._batches: deque[InventoryBatch] = deque(maxlen=max_batches)
+        self._open: dict[bytes, tuple[list[BlockKey], list[BlockKey]]] = {}
+        self._open_events = 0
+        self._next_seq = 1
+
+    def stored(self, namespace: NamespaceDigest, keys: list[BlockKey]) -> None:
+        self._add(namespace, keys, 0)
+
+    def removed(self, namespace: NamespaceDigest, keys: list[BlockKey]) -> None:
+        self._add(namespace, keys, 1)
+
+    def _add(self, namespace: bytes, keys: list[BlockKey], which: int) -> None:
+        with self._lock:  # keys now, hashes at sealing: the index's hot path stays cheap
+            entry = self._open.get(namespace)
+            if entry is None:
+                entry = self._open[namespace] = ([], [])
+            entry[which].extend(keys)
+            self._open_events += len(keys)
+            if self._open_events >= self.max_events:
+                self._seal()
+
+    def _seal(self) -> None:
+        project = router_hash_kvcr_v1
+        for namespace, (stored, removed) in self._open.items():
+            self._batches.append(InventoryBatch(
+                self._next_seq, namespace, tuple(map(project, stored)),
+                tuple(map(project, removed))))
+            self._next_seq += 1
+        self._open.clear()
+        self._open_events = 0
+
+    def read(self, since: int, max_batches: int = 256) -> tuple[bool, list[InventoryBatch]]:
+        """(reset, batches with seq > since), sealing what is pending first."""
+        with self._lock:
+            self._seal()
+            oldest = self._batches[0].seq if self._batches else self._next_seq
+            reset = since + 1 < oldest
+            out = [b for b in self._batches if b.seq > since][:max_batches]
+        return reset, out
+
+    @property
+    def last_seq(self) -> int:
+        with self._lock:
+            return self._next_seq - 1

@@ -1,0 +1,63 @@
+"""`InventoryReader`: what a router uses to follow one runner's stored/removed blocks.
+
+Connects to the runner's peer endpoint with the shared secret (as an inventory-only peer),
+then `poll()` returns the batches after the last one seen, and whether the reader fell
+behind (`reset`: forget this runner's blocks and rebuild from what follows). Blocking, with a
+deadline per call; not thread-safe (one reader per thread).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from kvcr_core.framing import FrameError, recv_frame
+from kvcr_core.hints import Endpoint
+from kvcr_core.inventory import InventoryBatch
+from kvcr_core.peers import protocol as pp
+from kvcr_core.peers.auth import PeerSecret
+from kvcr_core.peers.client import PeerRefused, authenticate
+
+
+class InventoryReader:
+    def __init__(self, endpoint: str, secret: PeerSecret, timeout_s: float = 5.0) -> None:
+        self.endpoint = Endpoint.parse(endpoint, where="inventory endpoint")
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.since = 0
+        self._sock: socket.socket | None = None
+
+    def poll(self) -> tuple[bool, list[InventoryBatch]]:
+        sock = self._sock or self._connect()
+        try:
+            sock.sendall(pp.encode(pp.Inventory(self.since, pp.MAX_INVENTORY_BATCHES)))
+            reply = pp.decode_to_client(recv_frame(sock)[0])
+            if isinstance(reply, pp.Refused):
+                raise PeerRefused(reply.reason, reply.detail)
+            if not isinstance(reply, pp.InventoryReply):
+                raise FrameError("expected InventoryReply")
+        except BaseException:
+            self.close()
+            raise
+        batches = [InventoryBatch(b.seq, b.namespace, tuple(b.stored), tuple(b.removed))
+                   for b in reply.batches]
+        if batches:
+            self.since = batches[-1].seq
+        elif reply.reset:
+            self.since = reply.last_seq
+        return reply.reset, batches
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.endpoint.host, self.endpoint.port),
+                                        timeout=self.timeout_s)
+        try:
+            authenticate(sock, self.secret, b"", 0, str(self.endpoint))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock
