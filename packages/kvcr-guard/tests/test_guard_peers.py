@@ -62,3 +62,45 @@ def test_peer_listen_without_a_secret_is_a_clear_error(short_tmp) -> None:
                           os.path.join(short_tmp, "g.sock"), "--peer-listen", "127.0.0.1:0"],
                          capture_output=True, text=True, timeout=60, env=env, check=False)
     assert out.returncode == 2 and "KVCR_PEER_SECRET" in out.stderr
+
+
+def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> None:
+    """Guarded mode: an engine asks its kvcr-guard (by ticket) to fetch from a peer guard;
+    the blocks land in the shared pool byte-exactly. Endpoints the daemon does not list as
+    peers are refused."""
+    import time
+
+    from kvcr_core.guard_client import GuardClient, GuardUnavailable
+
+    secret_file = os.path.join(short_tmp, "peer.secret")
+    with open(secret_file, "wb") as f:
+        f.write(SECRET)
+    dir_a, dir_b = os.path.join(short_tmp, "a"), os.path.join(short_tmp, "b")
+    os.mkdir(dir_a)
+    os.mkdir(dir_b)
+    source = harness.Guard(dir_a, "--peer-listen", "127.0.0.1:0", "--peer-secret-file",
+                           secret_file).start()
+    harness.run_worker(source, "store", 31, 9)
+    kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
+    endpoint = json.loads(subprocess.run([kvcr, "status", "--socket", source.socket, "--json"],
+                                         capture_output=True, text=True,
+                                         check=True).stdout)["peer_endpoint"]
+    dest = harness.Guard(dir_b, "--peer", endpoint, "--peer-secret-file", secret_file).start()
+    client = GuardClient(dest.socket, SPEC, BLOCK)
+    keys = sequence_keys(SPEC, [31 * 100_000 + t for t in range(16 * 9)])
+    ticket = client.peer_fetch(endpoint, keys, deadline_s=10)
+    deadline = time.monotonic() + 15
+    while not (outcome := client.peer_poll(ticket)).done:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert outcome.statuses == ["ok"] * 9
+    assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    try:
+        client.peer_fetch("tcp://127.0.0.1:9", keys, deadline_s=1)
+        raise AssertionError("an unlisted endpoint was dialled")
+    except GuardUnavailable as exc:
+        assert exc.reason == "peer_not_allowed"
+    client.close()
+    for g in (source, dest):
+        assert g.stop() == 0
+        g.log.close()

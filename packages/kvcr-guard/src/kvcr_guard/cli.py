@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcr_core.config import load_config
-from kvcr_core.errors import ConfigError
+from kvcr_core.errors import ConfigError, HintRejected
+from kvcr_core.hints import Endpoint
 from kvcr_core.peers import PeerSecret
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Prometheus /metrics port (0 = any free port; default: off)")
     ap.add_argument("--peer-listen", default="",
                     help="serve blocks to authenticated peers on HOST:PORT (default: off)")
+    ap.add_argument("--peer", action="append", default=[],
+                    help="tcp://HOST:PORT of a peer clients may ask this daemon to fetch from "
+                    "(repeatable)")
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
     ap.add_argument("--peer-secret-env", default="KVCR_PEER_SECRET",
                     help="environment variable holding the secret (default KVCR_PEER_SECRET)")
@@ -50,7 +54,12 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         overrides["log_level"] = args.log_level
     runner = load_config(args.config, overrides=overrides)
     extra: dict[str, Any] = {}
-    if args.peer_listen:
+    if args.peer:
+        try:
+            extra["peers"] = frozenset(str(Endpoint.parse(p, where="--peer")) for p in args.peer)
+        except HintRejected as exc:
+            raise ConfigError("peer", args.peer, exc.detail) from None
+    if args.peer_listen or args.peer:
         extra["peer_listen"] = args.peer_listen
         extra["peer_secret"] = (PeerSecret.from_file(args.peer_secret_file)
                                 if args.peer_secret_file

@@ -25,6 +25,7 @@ class GuardConfig:
     max_clients: int = 256
     peer_listen: str = ""  # "host:port" to serve peers on ("" = no peer server)
     peer_secret: PeerSecret | None = None
+    peers: frozenset[str] = frozenset()  # endpoints clients may ask the daemon to fetch from
 
     def __post_init__(self) -> None:
         if not self.socket_path:
@@ -48,6 +49,6 @@ class GuardConfig:
             if not host or not port.isdigit() or int(port) > 65535:
                 raise ConfigError("peer_listen", self.peer_listen,
                                   "give HOST:PORT, e.g. 0.0.0.0:7500 (port 0 = any)")
-            if self.peer_secret is None:
-                raise ConfigError("peer_secret", None, "peers need the shared secret: "
-                                  "--peer-secret-file PATH or --peer-secret-env VAR")
+        if (self.peer_listen or self.peers) and self.peer_secret is None:
+            raise ConfigError("peer_secret", None, "peers need the shared secret: "
+                              "--peer-secret-file PATH or --peer-secret-env VAR")

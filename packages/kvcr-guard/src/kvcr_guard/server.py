@@ -33,8 +33,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvcr_core.guard_client import protocol as p
 from kvcr_core.guard_client.protocol import CloseReason
-from kvcr_core.peers import PeerMetrics, PeerServer
-from kvcr_core.runner import Runner
+from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
+from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import OwnerId
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
@@ -69,6 +69,7 @@ class GuardServer:
         self.metrics = GuardMetrics(self.registry)
         self.peer_metrics = PeerMetrics(self.registry)
         self.peer_server: PeerServer | None = None
+        self._peer_clients: dict[bytes, PeerClient] = {}
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._listener: socket.socket | None = None
@@ -126,6 +127,16 @@ class GuardServer:
                  f"{self.config.metrics_host}:{self.metrics_port}" if self.metrics_port
                  else "off")
 
+    def _peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
+        """The daemon's fetcher for a namespace, if `endpoint` is one of its peers."""
+        if endpoint not in self.config.peers or self.config.peer_secret is None:
+            return None
+        client = self._peer_clients.get(store.digest)
+        if client is None:
+            client = self._peer_clients[store.digest] = PeerClient(
+                store, self.config.peer_secret, self.peer_metrics)
+        return client
+
     def request_shutdown(self) -> None:
         """Thread- and signal-safe."""
         self._stopping.set()
@@ -176,7 +187,8 @@ class GuardServer:
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         owner = OwnerId(self._next_owner)
         self._next_owner += 1
-        conn = _Conn(sock, ClientSession(owner, pid, self.runner, self.metrics, self._status))
+        conn = _Conn(sock, ClientSession(owner, pid, self.runner, self.metrics, self._status,
+                                         self._peer_client if self.config.peers else None))
         self._conns[sock.fileno()] = conn
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, sock.fileno())
@@ -314,6 +326,8 @@ class GuardServer:
             self._refuse(conn, CloseReason.SHUTDOWN, "kvcr-guard is stopping")
         if self.peer_server is not None:
             self.peer_server.close()
+        for client in self._peer_clients.values():
+            client.close()
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -22,9 +22,13 @@ from kvcr_core.errors import CapacityError, ConfigError
 from kvcr_core.guard_client import protocol as p
 from kvcr_core.guard_client.protocol import CloseReason
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.peers import PeerClient
+from kvcr_core.peers.client import FetchHandle
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import BlockKey, OpId, OwnerId
 from kvcr_guard.metrics import GuardMetrics
+
+_MAX_TICKETS = 64
 
 
 class SessionClosed(Exception):
@@ -44,7 +48,9 @@ class _State(enum.Enum):
 
 class ClientSession:
     def __init__(self, owner: OwnerId, peer_pid: int, runner: Runner, metrics: GuardMetrics,
-                 status: Callable[[], str]) -> None:
+                 status: Callable[[], str],
+                 peers: Callable[[NamespaceStore, str], PeerClient | None] | None = None
+                 ) -> None:
         self.owner = owner
         self.peer_pid = peer_pid
         self.identity = ""
@@ -54,6 +60,9 @@ class ClientSession:
         self._status = status
         self._state = _State.NEW
         self._seq = 0
+        self._peers = peers
+        self._tickets: dict[int, FetchHandle] = {}
+        self._next_ticket = 0
 
     @property
     def attached(self) -> bool:
@@ -132,13 +141,44 @@ class ClientSession:
             return p.Count(store.abort(OpId(op.op), owner))
         if isinstance(op, p.Release):
             return p.Done(store.release(OpId(op.op), owner))
+        if isinstance(op, p.PeerFetch):
+            return self._peer_fetch(op, store)
+        if isinstance(op, p.PeerPoll):
+            return self._peer_poll(op)
         idx = store.index
         return p.PoolStats(idx.capacity_slots, idx.ready_blocks, idx.filling_blocks,
                            idx.free_slots, idx.leased_slots, idx.open_reservations,
                            idx.open_leases, idx.evictions)
 
+    def _peer_fetch(self, op: p.PeerFetch, store: NamespaceStore) -> p.Result:
+        if self._peers is None:
+            return p.Refused("peers_off", "this kvcr-guard fetches from no peers (--peer)")
+        client = self._peers(store, op.endpoint)
+        if client is None:
+            return p.Refused("peer_not_allowed",
+                             f"{op.endpoint} is not a peer of this kvcr-guard (--peer)")
+        if len(self._tickets) >= _MAX_TICKETS:
+            return p.Refused("busy", f"{_MAX_TICKETS} fetches of this client are in flight")
+        self._next_ticket += 1
+        self._tickets[self._next_ticket] = client.fetch_async(
+            op.endpoint, op.keys, op.deadline_ms / 1000)  # type: ignore[arg-type]
+        return p.Ticket(self._next_ticket)
+
+    def _peer_poll(self, op: p.PeerPoll) -> p.Result:
+        handle = self._tickets.get(op.ticket)
+        if handle is None:
+            return p.Refused("unknown_ticket", f"no fetch {op.ticket} of this client")
+        result = handle.poll()
+        if result is None:
+            return p.FetchOutcome(False, [])
+        del self._tickets[op.ticket]
+        return p.FetchOutcome(True, [s.value for s in result.statuses])
+
     def close(self) -> tuple[int, int]:
         """The client is gone: abort its writes, release its reads. READY blocks stay."""
+        for handle in self._tickets.values():
+            handle.cancel()  # ends by its deadline anyway; its slots are settled by the fetch
+        self._tickets.clear()
         if self.store is None:
             return 0, 0
         aborted, released = self.store.drop_owner(self.owner)

@@ -14,10 +14,11 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
-- Hints (embedded mode): a `kv_hint` naming an allowed peer (`peers`) makes the scheduler
-  fetch the hinted blocks that extend kvcr's local prefix into the embedded pool, answering
-  "ask again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the
-  normal lookup and load follow. A hint naming any other endpoint is refused and counted.
+- Hints: a `kv_hint` naming an allowed peer (`peers`) makes the scheduler fetch the hinted
+  blocks that extend kvcr's local prefix into the pool (embedded: the engine's own Runner
+  fetches; guarded: kvcr-guard does, asked by ticket), answering "ask again" (None) until
+  the fetch ends, which it does by `fetch_deadline_s`; then the normal lookup and load
+  follow. A hint naming any other endpoint is refused and counted.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.guard_client import GuardClient, GuardUnavailable
 from kvcr_core.hints import HintIntake, HintLimits, KVHint
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
-from kvcr_core.peers import PeerClient
+from kvcr_core.peers import FetchResult, FetchStatus, PeerClient
 from kvcr_core.peers.client import FetchHandle
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
@@ -60,11 +62,30 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
     loading_ops: list[OpId] | None = None  # leases per rank while a load runs
     loaded_tokens: int = 0
-    fetch: FetchHandle | None = None  # a hinted peer fetch in flight
+    fetch: FetchHandle | _GuardFetch | None = None  # a hinted peer fetch in flight
     hint_done: bool = False
     block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
     finished: bool = False
+
+
+class _GuardFetch:
+    """A fetch the kvcr-guard daemon runs for us, polled like a local FetchHandle."""
+
+    def __init__(self, client: GuardClient, ticket: int, n_keys: int, deadline_s: float):
+        self.client, self.ticket, self.n_keys = client, ticket, n_keys
+        self.give_up = time.monotonic() + deadline_s + 1.0
+
+    def poll(self) -> FetchResult | None:
+        try:
+            outcome = self.client.peer_poll(self.ticket)
+        except GuardUnavailable:
+            return FetchResult((FetchStatus.UNREACHABLE,) * self.n_keys, 0, "kvcr-guard lost")
+        if outcome.done:
+            return FetchResult(tuple(FetchStatus(s) for s in outcome.statuses), 0)
+        if time.monotonic() > self.give_up:
+            return FetchResult((FetchStatus.TIMEOUT,) * self.n_keys, 0, "no answer in time")
+        return None
 
 
 def bypass_reason(request: Request) -> str | None:
@@ -178,7 +199,7 @@ class KVCRConnectorScheduler:
             self.stats.failure("peer_fetch", len(result.statuses) - result.fetched)
         return False
 
-    def _start_fetch(self, state: _RequestState) -> FetchHandle | None:
+    def _start_fetch(self, state: _RequestState) -> FetchHandle | _GuardFetch | None:
         assert state.hint is not None
         allowed = [f for f in state.hint.fetches if f.source_endpoint in self.settings.peers]
         if not allowed:

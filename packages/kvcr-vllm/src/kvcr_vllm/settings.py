@@ -100,7 +100,8 @@ class ConnectorSettings:
 
 def _peer_settings(extra: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
     """Peer keys: where this engine serves its blocks, the shared secret, and the peers a KV
-    hint may name (a hint can never make the engine dial anything else)."""
+    hint may name (a hint can never make the engine dial anything else). In guarded mode the
+    daemon dials (and must list the same peers with --peer); the engine only filters hints."""
     field = "kv_connector_extra_config"
     listen = extra.get("peer_listen", "")
     peers = extra.get("peers", [])
@@ -118,10 +119,10 @@ def _peer_settings(extra: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
     if not isinstance(listen, str):
         raise ConfigError(f"{field}.peer_listen", listen, "give \"host:port\"")
     secret = None
-    if listen or peers:
-        if mode is not Mode.EMBEDDED:
-            raise ConfigError(f"{field}.peer_listen", listen or peers,
-                              "in guarded mode kvcr-guard serves peers: use its --peer-listen")
+    if mode is Mode.GUARDED and listen:
+        raise ConfigError(f"{field}.peer_listen", listen,
+                          "in guarded mode kvcr-guard serves peers: use its --peer-listen")
+    if mode is Mode.EMBEDDED and (listen or peers):
         secret = (PeerSecret.from_file(extra["peer_secret_file"]) if "peer_secret_file" in extra
                   else PeerSecret.from_env(extra.get("peer_secret_env", "KVCR_PEER_SECRET")))
     return {"peer_listen": listen, "peer_secret": secret,

@@ -361,6 +361,17 @@ class GuardClient:
         assert isinstance(result, p.Done)
         return result.ok
 
+    def peer_fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float) -> int:
+        """Starts a fetch by the daemon from a peer it trusts; returns a ticket to poll."""
+        result = self._one(p.PeerFetch(endpoint, list(keys), max(1, int(deadline_s * 1000))))
+        assert isinstance(result, p.Ticket)
+        return result.id
+
+    def peer_poll(self, ticket: int) -> p.FetchOutcome:
+        result = self._one(p.PeerPoll(ticket))
+        assert isinstance(result, p.FetchOutcome)
+        return result
+
     def stats(self) -> p.PoolStats:
         result = self._one(p.Stats())
         assert isinstance(result, p.PoolStats)

@@ -92,7 +92,20 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
-Op = Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats
+class PeerFetch(_Msg, tag="peer_fetch"):
+    """Ask the daemon to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
+
+    endpoint: Annotated[str, msgspec.Meta(max_length=300)]
+    keys: Keys
+    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)]
+
+
+class PeerPoll(_Msg, tag="peer_poll"):
+    ticket: int
+
+
+Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | PeerFetch
+      | PeerPoll)
 
 
 class Request(_Msg, tag="request"):
@@ -152,12 +165,21 @@ class StatusReport(_Msg, tag="status"):
     json: str
 
 
+class Ticket(_Msg, tag="ticket"):
+    id: int
+
+
+class FetchOutcome(_Msg, tag="fetch_outcome"):
+    done: bool
+    statuses: list[str]  # per key, FetchStatus values, once done
+
+
 class Refused(_Msg, tag="refused"):
     reason: str
     detail: str
 
 
-Result = Count | Flags | Slots | Done | PoolStats | Refused
+Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Refused
 
 
 class Reply(_Msg, tag="reply"):
