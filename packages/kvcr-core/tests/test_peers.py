@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_frame
-from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer, PeerTLS
 from kvcr_core.peers import protocol as pp
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import pattern_block, random_keys
@@ -306,4 +306,40 @@ def test_inventory_events_follow_stores_and_evictions() -> None:
     reset, batches = log.read(0)
     assert reset and len(batches) == 2
     reader.close()
+    server.close()
+
+
+def make_tls(directory: Path) -> PeerTLS:
+    """A throwaway CA and a node certificate for 127.0.0.1 (openssl CLI)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True,
+                       timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj",
+        "/CN=kvcr-test-ca")
+    run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "node.pem", "-days", "1", "-extfile", "san.ext")
+    return PeerTLS(str(directory / "node.pem"), str(directory / "node.key"),
+                   str(directory / "ca.pem"))
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_peers_transfer_and_plain_clients_are_turned_away(tmp_path: Path) -> None:
+    """With TLS on, blocks travel encrypted and mutually authenticated; a client without TLS
+    gets nothing."""
+    tls = make_tls(tmp_path)
+    runner, store, metrics = node()
+    keys = random_keys(5, seed=9)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics, tls=tls)
+    _, dest, dmetrics = node()
+    result = PeerClient(dest, SECRET, dmetrics, tls=tls).fetch(server.endpoint, keys, 10)
+    assert result.statuses == (FetchStatus.OK,) * 5
+    assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    _, plain, pmetrics = node()
+    bad = PeerClient(plain, SECRET, pmetrics).fetch(server.endpoint, keys, deadline_s=3)
+    assert FetchStatus.OK not in bad.statuses and plain.lookup(keys) == 0
     server.close()

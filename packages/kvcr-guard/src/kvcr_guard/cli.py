@@ -11,7 +11,7 @@ from typing import Any
 from kvcr_core.config import load_config
 from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.hints import Endpoint
-from kvcr_core.peers import PeerSecret
+from kvcr_core.peers import PeerSecret, PeerTLS
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
 
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tcp://HOST:PORT of a peer clients may ask this daemon to fetch from "
                     "(repeatable)")
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
+    ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
+                    help="TLS for the peer channel: this node's PEM certificate and key, and "
+                    "the CA peers' certificates must chain to (mutual)")
     ap.add_argument("--peer-secret-env", default="KVCR_PEER_SECRET",
                     help="environment variable holding the secret (default KVCR_PEER_SECRET)")
     ap.add_argument("--log-level", default=None,
@@ -64,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         extra["peer_secret"] = (PeerSecret.from_file(args.peer_secret_file)
                                 if args.peer_secret_file
                                 else PeerSecret.from_env(args.peer_secret_env))
+    if args.peer_tls:
+        extra["peer_tls"] = PeerTLS(*args.peer_tls)
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)
     return GuardConfig(socket_path=args.socket, runner=runner, metrics_host=args.metrics_host,

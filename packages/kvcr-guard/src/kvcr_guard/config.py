@@ -9,7 +9,7 @@ import os
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.errors import ConfigError
-from kvcr_core.peers import PeerSecret
+from kvcr_core.peers import PeerSecret, PeerTLS
 
 MAX_SOCKET_PATH_BYTES = 107
 
@@ -26,6 +26,7 @@ class GuardConfig:
     peer_listen: str = ""  # "host:port" to serve peers on ("" = no peer server)
     peer_secret: PeerSecret | None = None
     peers: frozenset[str] = frozenset()  # endpoints clients may ask the daemon to fetch from
+    peer_tls: PeerTLS | None = None
 
     def __post_init__(self) -> None:
         if not self.socket_path:

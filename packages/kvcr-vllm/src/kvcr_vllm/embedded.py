@@ -18,17 +18,18 @@ from kvcr_guard.config import GuardConfig
 from kvcr_guard.server import GuardServer
 
 from kvcr_core.config import KVCRConfig
-from kvcr_core.peers import PeerSecret
+from kvcr_core.peers import PeerSecret, PeerTLS
 
 log = logging.getLogger("kvcr_vllm")
 
 
 class EmbeddedRunner:
     def __init__(self, socket_path: str, runner_config: KVCRConfig, *, peer_listen: str = "",
-                 peer_secret: PeerSecret | None = None) -> None:
+                 peer_secret: PeerSecret | None = None, peer_tls: PeerTLS | None = None) -> None:
         self.socket_path = socket_path
         self.server = GuardServer(GuardConfig(socket_path=socket_path, runner=runner_config,
-                                              peer_listen=peer_listen, peer_secret=peer_secret))
+                                              peer_listen=peer_listen, peer_secret=peer_secret,
+                                              peer_tls=peer_tls))
         self.server.listen()
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)

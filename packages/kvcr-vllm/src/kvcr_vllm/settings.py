@@ -17,7 +17,7 @@ from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
 from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.hints import Endpoint
 from kvcr_core.keys import NamespaceSpec
-from kvcr_core.peers import PeerSecret
+from kvcr_core.peers import PeerSecret, PeerTLS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,12 +45,13 @@ class ConnectorSettings:
     peer_secret: PeerSecret | None = None
     peers: frozenset[str] = frozenset()
     fetch_deadline_s: float = 2.0
+    peer_tls: PeerTLS | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str) -> ConnectorSettings:
         known = {"mode", "socket", "pool_bytes", "config_file", "kvcr", "load", "save",
                  "timeout_s", "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
-                 "peers", "fetch_deadline_s"}
+                 "peers", "fetch_deadline_s", "peer_tls"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config.{unknown[0]}", extra[unknown[0]],
@@ -125,7 +126,13 @@ def _peer_settings(extra: Mapping[str, Any], mode: Mode) -> dict[str, Any]:
     if mode is Mode.EMBEDDED and (listen or peers):
         secret = (PeerSecret.from_file(extra["peer_secret_file"]) if "peer_secret_file" in extra
                   else PeerSecret.from_env(extra.get("peer_secret_env", "KVCR_PEER_SECRET")))
-    return {"peer_listen": listen, "peer_secret": secret,
+    tls = extra.get("peer_tls")
+    if tls is not None:
+        if not isinstance(tls, Mapping) or set(tls) != {"cert", "key", "ca"}:
+            raise ConfigError(f"{field}.peer_tls", tls,
+                              'give {"cert": PEM, "key": PEM, "ca": PEM} file paths')
+        tls = PeerTLS(str(tls["cert"]), str(tls["key"]), str(tls["ca"]))
+    return {"peer_listen": listen, "peer_secret": secret, "peer_tls": tls,
             "peers": frozenset(str(Endpoint.parse(p)) for p in peers),
             "fetch_deadline_s": float(deadline)}
 

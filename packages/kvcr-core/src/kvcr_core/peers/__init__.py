@@ -8,5 +8,7 @@ from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.client import FetchResult, PeerClient
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
 from kvcr_core.peers.server import PeerServer
+from kvcr_core.peers.tls import PeerTLS
 
-__all__ = ["FetchResult", "FetchStatus", "PeerClient", "PeerMetrics", "PeerSecret", "PeerServer"]
+__all__ = ["FetchResult", "FetchStatus", "PeerClient", "PeerMetrics", "PeerSecret", "PeerServer",
+           "PeerTLS"]

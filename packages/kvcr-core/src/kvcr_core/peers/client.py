@@ -31,6 +31,7 @@ from kvcr_core.hints import Endpoint
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
+from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
@@ -98,10 +99,11 @@ class PeerClient:
     """Fetches into one local namespace store from peers that share its secret."""
 
     def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
-                 max_concurrent: int = 8) -> None:
+                 max_concurrent: int = 8, tls: PeerTLS | None = None) -> None:
         self.store = store
         self.secret = secret
         self.metrics = metrics
+        self._tls = tls.client_context() if tls is not None else None
         self._idle: dict[str, list[_Connection]] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
@@ -251,6 +253,8 @@ class PeerClient:
         sock = socket.create_connection((target.host, target.port), timeout=left)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=target.host)
             conn = _Connection(sock)
             self._timeout(conn, deadline)
             authenticate(sock, self.secret, self.store.digest, self.store.block_bytes, endpoint)

@@ -23,6 +23,7 @@ from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.protocol import RefuseReason
+from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import NamespaceDigest, OwnerId
 
@@ -40,12 +41,13 @@ class _Refuse(Exception):
 class PeerServer:
     def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
-                 io_timeout_s: float = 30.0) -> None:
+                 io_timeout_s: float = 30.0, tls: PeerTLS | None = None) -> None:
         self.runner = runner
         self.secret = secret
         self.metrics = metrics
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
+        self._tls = tls.server_context() if tls is not None else None
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: set[socket.socket] = set()
@@ -93,9 +95,12 @@ class PeerServer:
             threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
                              daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
         owner = OwnerId(next(self._owners))
+        conn = raw
         try:
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(raw, server_side=True)
             store = self._handshake(conn)
             while True:
                 payload, _ = recv_frame(conn)
@@ -111,10 +116,10 @@ class PeerServer:
         except (msgspec.MsgspecError, FrameError) as exc:
             self._refuse(conn, RefuseReason.MALFORMED, str(exc))
         except OSError:
-            pass  # the peer went away or went silent past the deadline
+            pass  # the peer went away, went silent past the deadline, or failed TLS
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> NamespaceStore | None:
