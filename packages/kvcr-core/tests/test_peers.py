@@ -22,7 +22,7 @@ from kvcr_core.framing import recv_frame
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer, PeerTLS
 from kvcr_core.peers import protocol as pp
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import network_namespaces, pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
 
 SECRET = PeerSecret(b"correct horse battery staple!!")
@@ -218,46 +218,20 @@ def test_two_processes_transfer_1000_blocks_exactly() -> None:
         server.wait()
 
 
-NETNS = ("kvcrpa", "kvcrpb")
-
-
 @pytest.fixture
-def netns_pair() -> Iterator[tuple[str, str]]:
-    """Two network namespaces joined by a veth pair (10.201.7.1 <-> 10.201.7.2)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    a, b = NETNS
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    for ns in NETNS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-    try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", "kvcrva", "type", "veth", "peer", "name", "kvcrvb")
-        ip("link", "set", "kvcrva", "netns", a)
-        ip("link", "set", "kvcrvb", "netns", b)
-        ip("-n", a, "addr", "add", "10.201.7.1/24", "dev", "kvcrva")
-        ip("-n", b, "addr", "add", "10.201.7.2/24", "dev", "kvcrvb")
-        for ns, dev in ((a, "kvcrva"), (b, "kvcrvb")):
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in NETNS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
-    yield a, b
-    for ns in NETNS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+def netns_pair() -> Iterator[tuple[str, str, str]]:
+    """Two network namespaces joined by a veth pair, made and removed here."""
+    with network_namespaces("pt", 7) as pair:
+        if pair is None:
+            pytest.skip("network namespaces need root and iproute2")
+        yield pair
 
 
 @pytest.mark.slow
 def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair) -> None:
     """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly."""
-    a, b = netns_pair
-    server = run_node("serve", "y" * 24, "10.201.7.1", "1000", str(BLOCK),
+    a, b, address = netns_pair
+    server = run_node("serve", "y" * 24, address, "1000", str(BLOCK),
                       prefix=["ip", "netns", "exec", a])
     try:
         assert server.stdout is not None

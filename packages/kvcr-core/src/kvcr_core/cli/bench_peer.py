@@ -11,10 +11,7 @@ of a one-block fetch. NIXL is reported as null when it is not installed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import shutil
 import socket
 import statistics
 import struct
@@ -31,14 +28,13 @@ from kvcr_core.framing import recv_exact_into
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import network_namespaces, pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
 
 SECRET = b"kvcr-bench-peer-secret-0123456789"
 DIGEST = NamespaceDigest(b"kvcr-bench-peer!")
 TARGETS = {"tcp_ratio_vs_raw_256k": (">=", 0.80)}
 BATCH = 64
-_NETNS = ("kvcrbpa", "kvcrbpb")
 _REQ = struct.Struct("<II")  # first block, block count
 
 
@@ -147,37 +143,6 @@ def _run_pair(block_bytes: int, blocks: int, reps: int, netns: tuple[str, str] |
         source.wait()
 
 
-@contextlib.contextmanager
-def _namespaces() -> Any:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        yield None
-        return
-    a, b = _NETNS
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    try:
-        for ns in _NETNS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", "kvcrbva", "type", "veth", "peer", "name", "kvcrbvb")
-        ip("link", "set", "kvcrbva", "netns", a)
-        ip("link", "set", "kvcrbvb", "netns", b)
-        ip("-n", a, "addr", "add", "10.201.9.1/24", "dev", "kvcrbva")
-        ip("-n", b, "addr", "add", "10.201.9.2/24", "dev", "kvcrbvb")
-        for ns, dev in ((a, "kvcrbva"), (b, "kvcrbvb")):
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield (a, b)
-    except subprocess.CalledProcessError:
-        yield None
-    finally:
-        for ns in _NETNS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-
-
 def run_peer_bench(*, quick: bool, as_json: bool) -> int:
     total = (64 << 20) if quick else (256 << 20)
     reps = 3 if quick else 5
@@ -185,9 +150,9 @@ def run_peer_bench(*, quick: bool, as_json: bool) -> int:
     for block_bytes in (64 << 10, 256 << 10, 2 << 20):
         row = _run_pair(block_bytes, total // block_bytes, reps, None, "127.0.0.1")
         rows.append({"path": "loopback", **row})
-    with _namespaces() as netns:
+    with network_namespaces("bp", 9) as netns:
         if netns is not None:
-            row = _run_pair(256 << 10, total // (256 << 10), reps, netns, "10.201.9.1")
+            row = _run_pair(256 << 10, total // (256 << 10), reps, netns[:2], netns[2])
             rows.append({"path": "network namespaces", **row})
     ratio_256k = min(r["ratio"] for r in rows if r["block_bytes"] == 256 << 10)
     summary = {"tcp_ratio_vs_raw_256k": ratio_256k,
