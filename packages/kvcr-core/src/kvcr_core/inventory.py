@@ -4,13 +4,15 @@ KV-aware routers (wire format: docs/peers.md "Inventory").
 The index reports every block that becomes READY and every READY block that goes (evicted or
 discarded); `InventoryLog` groups them per namespace into batches with a global sequence
 number. Readers poll with the last sequence they saw. The log is bounded (`max_batches`
-batches of at most `max_events` events); a reader that fell behind the oldest kept batch gets
-`reset=True` and must drop what it knew of this runner, then rebuild from what follows.
+batches of at most `max_events` events, 8 bytes each: 8 MiB at the defaults); a reader
+that fell behind the oldest kept batch gets `reset=True` and must drop what it knew of this
+runner, then rebuild from what follows.
 Events carry the `kvcr-v1` router hashes of the keys. Thread-safe.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import threading
 from collections import deque
@@ -23,12 +25,12 @@ from kvcr_core.types import BlockKey, NamespaceDigest
 class InventoryBatch:
     seq: int
     namespace: bytes
-    stored: tuple[int, ...]  # router hashes (u64) of blocks that became READY
-    removed: tuple[int, ...]  # router hashes of READY blocks that went away
+    stored: array.array[int]  # router hashes (u64) of blocks that became READY
+    removed: array.array[int]  # router hashes of READY blocks that went away
 
 
 class InventoryLog:
-    def __init__(self, max_batches: int = 1024, max_events: int = 4096) -> None:
+    def __init__(self, max_batches: int = 256, max_events: int = 4096) -> None:
         self.max_events = max_events
         self._lock = threading.Lock()
         self._batches: deque[InventoryBatch] = deque(maxlen=max_batches)
@@ -56,8 +58,8 @@ class InventoryLog:
         project = router_hash_kvcr_v1
         for namespace, (stored, removed) in self._open.items():
             self._batches.append(InventoryBatch(
-                self._next_seq, namespace, tuple(map(project, stored)),
-                tuple(map(project, removed))))
+                self._next_seq, namespace, array.array("Q", map(project, stored)),
+                array.array("Q", map(project, removed))))
             self._next_seq += 1
         self._open.clear()
         self._open_events = 0

@@ -8,6 +8,7 @@ deadline per call; not thread-safe (one reader per thread).
 
 from __future__ import annotations
 
+import array
 import socket
 
 from kvcr_core.framing import FrameError, recv_frame
@@ -38,8 +39,8 @@ class InventoryReader:
         except BaseException:
             self.close()
             raise
-        batches = [InventoryBatch(b.seq, b.namespace, tuple(b.stored), tuple(b.removed))
-                   for b in reply.batches]
+        batches = [InventoryBatch(b.seq, b.namespace, array.array("Q", b.stored),
+                                  array.array("Q", b.removed)) for b in reply.batches]
         if batches:
             self.since = batches[-1].seq
         elif reply.reset:

@@ -172,7 +172,7 @@ class PeerServer:
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)
         conn.sendall(pp.encode(pp.InventoryReply(
             reset, self.runner.inventory.last_seq,
-            [pp.InventoryBatchMsg(b.seq, b.namespace, list(b.stored), list(b.removed))
+            [pp.InventoryBatchMsg(b.seq, b.namespace, b.stored.tolist(), b.removed.tolist())
              for b in batches])))
 
     def _refuse(self, conn: socket.socket, reason: RefuseReason, detail: str) -> None:
