@@ -98,3 +98,16 @@ def test_unsupported_vllm_version_refuses_clearly(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(vllm, "__version__", "0.99.1")
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.99\.1"):
         connector.check_vllm_version()
+
+
+def test_shipped_examples_are_valid_connector_configs() -> None:
+    """The example kv-transfer-configs in examples/vllm parse with the connector's rules."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[3] / "examples" / "vllm"
+    for path in sorted(folder.glob("*.json")):
+        config = json.loads(path.read_text())
+        assert config["kv_connector"] == "KVCRConnector"
+        settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"], "e")
+        assert settings.mode in (Mode.EMBEDDED, Mode.GUARDED)
