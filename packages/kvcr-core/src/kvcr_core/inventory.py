@@ -7,13 +7,15 @@ number. Readers poll with the last sequence they saw. The log is bounded (`max_b
 batches of at most `max_events` events, 8 bytes each: 8 MiB at the defaults); a reader
 that fell behind the oldest kept batch gets `reset=True` and must drop what it knew of this
 runner, then rebuild from what follows.
-Events carry the `kvcr-v1` router hashes of the keys. Thread-safe.
+Events carry the `kvcr-v1` router hashes of the keys; `epoch` changes when the runner
+restarts (a reader seeing a new epoch starts over). Thread-safe.
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
+import os
 import threading
 from collections import deque
 
@@ -37,6 +39,7 @@ class InventoryLog:
         self._open: dict[bytes, tuple[list[BlockKey], list[BlockKey]]] = {}
         self._open_events = 0
         self._next_seq = 1
+        self.epoch = int.from_bytes(os.urandom(8), "little")  # this incarnation of the runner
 
     def stored(self, namespace: NamespaceDigest, keys: list[BlockKey]) -> None:
         self._add(namespace, keys, 0)

@@ -25,9 +25,11 @@ class InventoryReader:
         self.secret = secret
         self.timeout_s = timeout_s
         self.since = 0
+        self.epoch: int | None = None
         self._sock: socket.socket | None = None
 
     def poll(self) -> tuple[bool, list[InventoryBatch]]:
+        """(reset, new batches): reset means forget this runner's blocks first."""
         sock = self._sock or self._connect()
         try:
             sock.sendall(pp.encode(pp.Inventory(self.since, pp.MAX_INVENTORY_BATCHES)))
@@ -39,6 +41,10 @@ class InventoryReader:
         except BaseException:
             self.close()
             raise
+        if self.epoch is not None and reply.epoch != self.epoch:  # the runner restarted
+            self.epoch, self.since = reply.epoch, 0
+            return True, self.poll()[1]
+        self.epoch = reply.epoch
         batches = [InventoryBatch(b.seq, b.namespace, array.array("Q", b.stored),
                                   array.array("Q", b.removed)) for b in reply.batches]
         if batches:

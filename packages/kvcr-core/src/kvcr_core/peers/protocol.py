@@ -92,6 +92,7 @@ class InventoryBatchMsg(_Msg, tag="batch"):
 
 class InventoryReply(_Msg, tag="inventory_reply"):
     reset: bool  # the reader fell behind the log: forget this runner's blocks, then rebuild
+    epoch: int  # changes when the runner restarts (then sequence numbers start over)
     last_seq: int
     batches: list[InventoryBatchMsg]
 

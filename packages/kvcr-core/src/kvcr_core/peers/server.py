@@ -171,7 +171,7 @@ class PeerServer:
     def _inventory(self, conn: socket.socket, request: pp.Inventory) -> None:
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)
         conn.sendall(pp.encode(pp.InventoryReply(
-            reset, self.runner.inventory.last_seq,
+            reset, self.runner.inventory.epoch, self.runner.inventory.last_seq,
             [pp.InventoryBatchMsg(b.seq, b.namespace, b.stored.tolist(), b.removed.tolist())
              for b in batches])))
 
