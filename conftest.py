@@ -114,13 +114,41 @@ def guard(short_tmp: str) -> Iterator[Guard]:
 
 
 class Harness:
-    """What tests use besides the `guard` fixture (conftest is not importable as a module)."""
+    """Starts daemons and client processes for one test and kills whatever is still running
+    when the test ends, pass or fail (conftest is not importable as a module, so tests get
+    this object from the `harness` fixture)."""
 
-    Guard = Guard
     run_worker = staticmethod(run_worker)
-    start_worker = staticmethod(start_worker)
+
+    def __init__(self) -> None:
+        self._guards: list[Guard] = []
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def Guard(self, tmpdir: str, *extra: str) -> Guard:
+        guard = Guard(tmpdir, *extra)
+        self._guards.append(guard)
+        return guard
+
+    def start_worker(self, guard: Guard, mode: str, *args: int) -> subprocess.Popen[str]:
+        proc = start_worker(guard, mode, *args)
+        self._procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+        for guard in self._guards:
+            if guard.proc is not None and guard.proc.poll() is None:
+                guard.proc.kill()
+                guard.proc.wait(timeout=30)
+            if not guard.log.closed:
+                guard.log.close()
 
 
 @pytest.fixture
-def harness() -> type[Harness]:
-    return Harness
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.cleanup()
