@@ -28,7 +28,7 @@ def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
 def test_extra_config_defaults_and_values() -> None:
     """Embedded by default on a private short socket; guarded takes the given socket."""
     default = ConnectorSettings.from_extra_config({}, "0123456789abcdef-engine")
-    assert default.mode is Mode.EMBEDDED and default.socket.endswith(".sock")
+    assert default.mode is Mode.EMBEDDED and default.socket.startswith("\0kvcr-embedded-")
     assert len(default.socket.encode()) < 100
     guarded = ConnectorSettings.from_extra_config(
         {"mode": "guarded", "socket": "/run/kvcr/g.sock", "pool_bytes": "2GiB",

@@ -28,6 +28,12 @@ class GuardConfig:
     peers: frozenset[str] = frozenset()  # endpoints clients may ask the daemon to fetch from
     peer_tls: PeerTLS | None = None
 
+    @property
+    def abstract(self) -> bool:
+        """A Linux abstract socket ("\\0name"): no file, gone with the process (the uid check
+        is then the only gate, as there are no file permissions)."""
+        return self.socket_path.startswith("\0")
+
     def __post_init__(self) -> None:
         if not self.socket_path:
             raise ConfigError("socket", self.socket_path, "give the Unix socket path to serve")
@@ -36,7 +42,7 @@ class GuardConfig:
                               f"Unix socket paths must be under {MAX_SOCKET_PATH_BYTES} bytes; "
                               "use a shorter directory such as /run/kvcr")
         parent = os.path.dirname(os.path.abspath(self.socket_path))
-        if not os.path.isdir(parent):
+        if not self.abstract and not os.path.isdir(parent):
             raise ConfigError("socket", self.socket_path, f"create the directory {parent} first")
         if not self.allowed_uids or any(u < 0 for u in self.allowed_uids):
             raise ConfigError("allowed_uids", sorted(self.allowed_uids),

@@ -88,6 +88,15 @@ class GuardServer:
     def listen(self) -> None:
         """Binds the socket (0600), refusing to steal it from a live daemon."""
         path = self.config.socket_path
+        if self.config.abstract:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(path)
+            except OSError:
+                sock.close()
+                raise RuntimeError(f"another kvcr-guard is serving {path!r}") from None
+            self._serve_on(sock)
+            return
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -106,6 +115,10 @@ class GuardServer:
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
+        self._serve_on(sock)
+
+    def _serve_on(self, sock: socket.socket) -> None:
+        path = self.config.socket_path.replace("\0", "@")  # abstract names print as @name
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock
@@ -316,8 +329,9 @@ class GuardServer:
             self._sel.unregister(self._listener)
             self._listener.close()
             self._listener = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.config.socket_path)
+            if not self.config.abstract:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.config.socket_path)
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
                 conn.sock.setblocking(True)
@@ -363,7 +377,8 @@ class GuardServer:
                 "open_leases": idx.open_leases, "evictions": idx.evictions,
                 "pool_bytes": pool.region.size_bytes, "clients": clients.get(digest, 0)})
         return json.dumps({
-            "version": __version__, "pid": os.getpid(), "socket": self.config.socket_path,
+            "version": __version__, "pid": os.getpid(),
+            "socket": self.config.socket_path.replace("\0", "@"),
             "uptime_s": round(time.monotonic() - self._started, 3),
             "clients": sum(c.session.attached for c in self._conns.values()),
             "peer_endpoint": self.peer_server.endpoint if self.peer_server else None,

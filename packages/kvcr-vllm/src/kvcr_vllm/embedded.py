@@ -2,8 +2,9 @@
 
 It is served to this engine's workers exactly as kvcr-guard serves engines (the same
 `GuardServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
-run one code path; with `peer_listen` it also serves other nodes. The socket is removed when
-the engine shuts down or exits.
+run one code path; with `peer_listen` it also serves other nodes. The default socket is a
+Linux abstract one (no file; only this uid may attach), so nothing is left behind even when
+the engine is killed.
 """
 
 from __future__ import annotations
@@ -42,5 +43,6 @@ class EmbeddedRunner:
         if self._thread.is_alive():
             self.server.request_shutdown()
             self._thread.join(timeout=5)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        if not self.socket_path.startswith("\0"):  # abstract sockets have no file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
-import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +68,8 @@ class ConnectorSettings:
                               "guarded mode needs the kvcr-guard socket, e.g. "
                               "\"socket\": \"/run/kvcr/guard.sock\"")
         if mode is Mode.EMBEDDED and not socket_path:
-            socket_path = os.path.join(tempfile.gettempdir(), f"kvcr-{engine_id[:24]}.sock")
+            # Abstract (no file): nothing is left behind even if the engine is SIGKILLed.
+            socket_path = f"\0kvcr-embedded-{engine_id[:36]}"
         overrides = extra.get("kvcr", {})
         if not isinstance(overrides, Mapping):
             raise ConfigError("kv_connector_extra_config.kvcr", overrides,
