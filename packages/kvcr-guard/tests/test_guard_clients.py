@@ -32,6 +32,16 @@ def read_line(proc: subprocess.Popen[str]) -> dict[str, int]:
     return json.loads(line)  # type: ignore[no-any-return]
 
 
+def kill_and_settle(proc: subprocess.Popen[str], observer: GuardClient, field: str):
+    """SIGKILLs a client, then waits (10 s at most) until the daemon reclaimed `field`."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while getattr(observer.stats(), field) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return observer.stats()
+
+
 def test_two_processes_read_each_others_blocks_byte_exactly(guard, harness) -> None:
     """Blocks stored by one engine process are read byte-exactly by another."""
     assert harness.run_worker(guard, "store", 1, 8) == {"stored": 8}
@@ -47,12 +57,7 @@ def test_client_killed_mid_write_never_publishes_and_others_go_on(guard, harness
     assert read_line(writer) == {"reserved": 6}
     observer = GuardClient(guard.socket, SPEC, BLOCK)
     assert observer.stats().filling_blocks == 6
-    writer.send_signal(signal.SIGKILL)
-    writer.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while observer.stats().filling_blocks and time.monotonic() < deadline:
-        time.sleep(0.02)
-    stats = observer.stats()
+    stats = kill_and_settle(writer, observer, "filling_blocks")
     assert stats.filling_blocks == 0 and stats.open_reservations == 0
     assert observer.lookup(keys_for(3, 6)) == 0
     assert stats.free_slots == stats.capacity_slots
@@ -69,12 +74,8 @@ def test_killed_readers_leases_are_reclaimed(guard, harness) -> None:
     assert read_line(reader) == {"leased": 4}
     observer = GuardClient(guard.socket, SPEC, BLOCK)
     assert observer.stats().leased_slots == 4
-    reader.send_signal(signal.SIGKILL)
-    reader.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while observer.stats().leased_slots and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert observer.stats().leased_slots == 0 and observer.stats().open_leases == 0
+    stats = kill_and_settle(reader, observer, "leased_slots")
+    assert stats.leased_slots == 0 and stats.open_leases == 0
     assert observer.lookup(keys_for(4, 4)) == 4  # READY blocks stay
     observer.close()
 
