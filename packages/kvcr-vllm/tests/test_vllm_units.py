@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvcr_vllm.settings import ConnectorSettings, Mode
+from kvcr_guard.engine_settings import Mode
+from kvcr_vllm.settings import ConnectorSettings
 
 from kvcr_core.errors import ConfigError
 

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import vllm
+from kvcr_guard.engine_settings import Mode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CacheHitSource,
     KVConnectorBase_V1,
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
-from kvcr_vllm.settings import ConnectorSettings, Mode, block_bytes_for, namespace_for
+from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class KVCRConnector(KVConnectorBase_V1):
                          "fail a request)")
                 transfer.kv_load_failure_policy = "recompute"
             if self.settings.mode is Mode.EMBEDDED:
-                from kvcr_vllm.embedded import EmbeddedRunner
+                from kvcr_guard.embedded import EmbeddedRunner
 
                 self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner,
                                                 peer_listen=self.settings.peer_listen,

@@ -42,12 +42,11 @@ from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from kvcr_guard.embedded import EmbeddedRunner
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-    from kvcr_vllm.embedded import EmbeddedRunner
 
 log = logging.getLogger("kvcr_vllm")
 

@@ -1,4 +1,5 @@
-"""Embedded mode: the Runner lives in the engine's scheduler process.
+"""Embedded mode: the Runner lives in the engine process (vLLM: its scheduler; SGLang: the
+scheduler process that owns the cache).
 
 It is served to this engine's workers exactly as kvcr-guard serves engines (the same
 `GuardServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
@@ -15,13 +16,12 @@ import logging
 import os
 import threading
 
+from kvcr_core.config import KVCRConfig
+from kvcr_core.peers import PeerSecret, PeerTLS
 from kvcr_guard.config import GuardConfig
 from kvcr_guard.server import GuardServer
 
-from kvcr_core.config import KVCRConfig
-from kvcr_core.peers import PeerSecret, PeerTLS
-
-log = logging.getLogger("kvcr_vllm")
+log = logging.getLogger("kvcr_guard")
 
 
 class EmbeddedRunner:
