@@ -1,0 +1,135 @@
+"""`kvcr-router`: `serve` (the HTTP front in front of vLLM workers) and `simulate` (trace
+replay, in `kvcr_router.simulate`, imported only when chosen), plus `--version`.
+
+Every `serve` flag has a documented default (docs/router.md) and may also come from
+`--config FILE` (YAML/JSON, same names); flags given on the command line win.
+Exit codes: 0 ok, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvcr_core.errors import ConfigError
+from kvcr_router._version import __version__
+from kvcr_router.config import RouterConfig, read_config_file
+from kvcr_router.cost import CostWeights
+
+log = logging.getLogger("kvcr_router")
+
+_WEIGHT_HELP = {
+    "device_w": "credit per block in the worker's engine cache (vLLM KV events)",
+    "pool_w": "credit per block in the worker's kvcr pool (inventory)",
+    "fetch_w": "credit per block the worker can fetch from a peer right after its own prefix",
+    "prefill_scale": "weight of the prefill blocks left after credit",
+    "decode_w": "weight per block (prompt + max_tokens) of requests in flight at the worker",
+    "active_w": "weight per request in flight at the worker",
+    "temperature": "0: cheapest worker; > 0: softmax sampling over -cost (seeded)",
+    "min_fetch_blocks": "hint a source only if it holds at least this many blocks more "
+                        "(the pull-versus-recompute crossover)",
+}
+
+
+def _serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible front in front of workers",
+                           description="Route OpenAI requests to vLLM workers with kvcr hints.")
+    rc = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    add = serve.add_argument
+    add("--config", help="YAML/JSON file with any of these settings (flags win)")
+    add("--listen", help="HOST:PORT to serve on (default 127.0.0.1:8000)")
+    add("--worker", dest="workers", action="append", metavar="NAME=URL[,peer=..][,kv_events=..]",
+        help="a worker (repeat): NAME=http://HOST:PORT of its vLLM server, peer=tcp://H:P of "
+             "its kvcr peer endpoint (inventory and hint source), kv_events=tcp://H:P of "
+             "vLLM's ZMQ KV event publisher")
+    add("--namespace", help="the engines' kvcr namespace spec (TP rank 0): JSON or @FILE "
+                            "(docs/keys.md; docs/router.md shows how to get it)")
+    add("--namespace-digest", help="or just its digest (32 hex digits), with --block-size")
+    add("--block-size", type=int, help="tokens per block (default: the namespace's)")
+    add("--tokenizer", help="tokenizer folder or name (usually the model folder vLLM serves); "
+                            "without it only token-id prompts get KV credit")
+    add("--peer-secret-file", help="file with the shared kvcr peer secret (for inventory)")
+    add("--peer-secret-env",
+        help=f"environment variable with the secret (default {rc['peer_secret_env']})")
+    for name in ("health_interval_s", "health_timeout_s", "inventory_interval_s",
+                 "inventory_timeout_s", "connect_timeout_s", "read_timeout_s"):
+        add("--" + name.replace("_", "-"), type=float, help=f"default {rc[name]}")
+    add("--max-body-bytes", type=int, help=f"largest request body (default {rc['max_body_bytes']})")
+    add("--max-blocks-per-source", type=int,
+        help=f"index bound per worker and tier (default {rc['max_blocks_per_source']})")
+    weights = serve.add_argument_group("cost weights (docs/router.md)")
+    for field in dataclasses.fields(CostWeights):
+        weights.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
+                             help=f"{_WEIGHT_HELP[field.name]} (default {field.default})")
+    add("--log-level", default="INFO", help="default INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcr-router",
+                                     description="KV-aware router for kvcr workers")
+    parser.add_argument("--version", action="version", version=f"kvcr-router {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    sub.add_parser("simulate", add_help=False,
+                   help="replay a trace to compare and tune routing policies (see --help)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    data = read_config_file(args.config) if args.config else {}
+    skip = {"command", "config", "log_level"}
+    data.update({k: v for k, v in vars(args).items() if v is not None and k not in skip})
+    return RouterConfig.from_mapping(data)
+
+
+def serve(config: RouterConfig) -> int:
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from kvcr_core.peers.auth import PeerSecret
+    from kvcr_router.front import Router
+    from kvcr_router.hashing import HfTokenizer, PromptHasher
+
+    secret = None
+    if any(w.peer for w in config.workers):
+        secret = (PeerSecret.from_file(config.peer_secret_file) if config.peer_secret_file
+                  else PeerSecret.from_env(config.peer_secret_env))
+    tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else None
+    hasher = PromptHasher(config.namespace_digest, config.block_size, tokenizer)
+    router = Router(config, hasher, CollectorRegistry(), secret=secret)
+    log.info("kvcr-router %s on http://%s:%d: workers %s, namespace %s, block size %d",
+             __version__, config.listen_host, config.listen_port,
+             ", ".join(w.name for w in config.workers), config.namespace_digest.hex(),
+             config.block_size)
+    web.run_app(router.app(), host=config.listen_host, port=config.listen_port, print=None,
+                access_log=None, shutdown_timeout=5)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        simulate = importlib.import_module("kvcr_router.simulate")
+        run = getattr(simulate, "main", None)
+        if run is None:
+            print("kvcr-router: this build has no simulator", file=sys.stderr)
+            return 2
+        return int(run(argv[1:]))
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        return serve(config)
+    except ConfigError as exc:
+        print(f"kvcr-router: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
