@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice, takewhile
 
 
 class Tier(enum.Enum):
@@ -77,20 +78,14 @@ class BlockIndexer:
         source = self._sources.get((worker, tier))
         if source is None:
             return 0
-        blocks = source.blocks
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        # takewhile over the dict's own __contains__ runs in C: an 8k-token prompt's 512
+        # lookups per worker and tier are what bounds the router's decision time.
+        return len(list(takewhile(source.blocks.__contains__, hashes)))
 
     def run_from(self, worker: str, tier: Tier, hashes: Sequence[int], start: int) -> int:
         """End of the contiguous run of `hashes` held from `start` (== start if none)."""
         source = self._sources.get((worker, tier))
         if source is None:
             return start
-        end = start
-        while end < len(hashes) and hashes[end] in source.blocks:
-            end += 1
-        return end
+        return start + len(list(takewhile(source.blocks.__contains__,
+                                          islice(hashes, start, None))))
