@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -114,12 +113,9 @@ def serve(config: RouterConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:
-        simulate = importlib.import_module("kvcr_router.simulate")
-        run = getattr(simulate, "main", None)
-        if run is None:
-            print("kvcr-router: this build has no simulator", file=sys.stderr)
-            return 2
-        return int(run(argv[1:]))
+        from kvcr_router.simulate import main as simulate
+
+        return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,109 @@
+"""`kvcr-router` configuration and command line: worker specs, file + flags, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvcr_router.cli import build_parser, config_from_args, main
+from kvcr_router.config import RouterConfig, WorkerSpec
+from kvcr_router.cost import CostWeights
+
+from kvcr_core.errors import ConfigError
+from kvcr_core.keys import NamespaceSpec
+
+NS = {"model_id": "m", "dtype": "float32", "kv_dtype": "float32", "block_size_tokens": 32,
+      "num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "layout": "vllm-0.32.0/cpu/AVX2"}
+
+
+def test_worker_flag_parses_endpoints_canonically() -> None:
+    """NAME=URL,peer=..,kv_events=.. (dash or underscore) gives canonical endpoints."""
+    w = WorkerSpec.parse("a=http://10.0.0.1:8000/,peer=tcp://10.0.0.1:7500,"
+                         "kv-events=tcp://localhost:5557")
+    assert w == WorkerSpec("a", "http://10.0.0.1:8000", "tcp://10.0.0.1:7500",
+                           "tcp://localhost:5557")
+    assert WorkerSpec.parse("b=https://h:1").peer is None
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("Bad Name=http://h:1", "worker.name"),
+    ("a=ftp://h:1", "worker a.url"),
+    ("a=http://h:1/v1", "worker a.url"),
+    ("a=http://h:1,peer=h:7", "worker a.peer"),
+    ("a=http://h:1,color=red", "worker a"),
+    ("http://h:1", "worker"),
+])
+def test_bad_worker_flags_name_the_field(text: str, field: str) -> None:
+    """Each mistake in a --worker flag is a ConfigError naming what to fix."""
+    with pytest.raises(ConfigError) as err:
+        WorkerSpec.parse(text)
+    assert err.value.field == field
+
+
+def test_file_and_flags_merge_with_flags_winning(tmp_path: Path) -> None:
+    """A YAML file gives workers, namespace and weights; command-line flags override."""
+    config = tmp_path / "router.yaml"
+    config.write_text(json.dumps({
+        "listen": "0.0.0.0:9000", "namespace": NS, "fetch-w": 0.25, "pool_w": 0.5,
+        "workers": [{"name": "a", "url": "http://h:1", "peer": "tcp://h:2"}, "b=http://h:3"]}))
+    args = build_parser().parse_args(["serve", "--config", str(config), "--fetch-w", "0.4",
+                                      "--health-interval-s", "9"])
+    cfg = config_from_args(args)
+    assert (cfg.listen_host, cfg.listen_port) == ("0.0.0.0", 9000)
+    assert [w.name for w in cfg.workers] == ["a", "b"] and cfg.workers[0].peer == "tcp://h:2"
+    assert cfg.weights == CostWeights(fetch_w=0.4, pool_w=0.5)
+    assert cfg.health_interval_s == 9 and cfg.inventory_interval_s == 0.25
+    assert cfg.namespace_digest == NamespaceSpec.from_mapping(NS).digest()
+    assert cfg.block_size == 32
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ({"workers": ["a=http://h:1"]}, "namespace"),
+    ({"workers": ["a=http://h:1"], "namespace_digest": "00" * 16}, "block_size"),
+    ({"workers": ["a=http://h:1"], "namespace_digest": "zz"}, "namespace_digest"),
+    ({"workers": [], "namespace": NS}, "workers"),
+    ({"workers": ["a=http://h:1", "a=http://h:2"], "namespace": NS}, "workers"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "block_size": 16}, "block_size"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "fetch_w": -1}, "fetch_w"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "read_timeout_s": 0}, "read_timeout_s"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "colour": 1}, "colour"),
+])
+def test_bad_settings_name_the_field(data: dict, field: str) -> None:
+    """Missing namespace, contradicting block size, duplicate names, bad weights or
+    timeouts and unknown keys all fail at start-up, naming the field."""
+    with pytest.raises(ConfigError) as err:
+        RouterConfig.from_mapping(data)
+    assert err.value.field == field
+
+
+def test_cli_reports_config_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad flag exits 2 with the field and the fix; a peer endpoint without the peer
+    secret too; --version prints the package version."""
+    assert main(["serve", "--worker", "a=ftp://h:1", "--namespace", json.dumps(NS)]) == 2
+    assert "worker a.url" in capsys.readouterr().err
+    assert main(["serve", "--worker", "a=http://h:1,peer=tcp://h:2", "--namespace",
+                 json.dumps(NS), "--peer-secret-env", "KVCR_TEST_NO_SUCH_SECRET"]) == 2
+    assert "KVCR_TEST_NO_SUCH_SECRET" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("kvcr-router 0.1")
+
+
+def test_console_script_dispatches_simulate() -> None:
+    """`kvcr-router simulate` reaches the simulator's own command line."""
+    exe = Path(sys.executable).parent / "kvcr-router"
+    out = subprocess.run([str(exe), "simulate", "--help"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0 and "--requests" in out.stdout, out.stderr
+
+
+def test_shipped_example_config_is_valid() -> None:
+    """examples/router.yaml (referenced by docs/router.md) loads as written."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "router.yaml"
+    cfg = config_from_args(build_parser().parse_args(["serve", "--config", str(example)]))
+    assert [w.kv_events for w in cfg.workers] == ["tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557"]
+    assert cfg.weights == CostWeights() and cfg.block_size == 16
