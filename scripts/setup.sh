@@ -32,7 +32,7 @@ echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e "packages/kvcr-vllm[demo]" \
-  -e packages/kvcr-router \
+  -e packages/kvcr-router -e packages/kvcr-sglang \
   ruff mypy types-PyYAML
 echo "$want" > "$stamp"
 echo "setup: done"

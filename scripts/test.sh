@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv if needed, then run every test suite.
+# The README's test command: set up both virtual environments if needed, then run every test
+# suite: kvcr-core, -guard, -vllm, -router in .venv, and kvcr-sglang in .venv-sglang (SGLang
+# needs another torch build than vLLM).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n 2 "$@"
+bash scripts/setup_sglang.sh
+export TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions"  # SGLang's JIT page hash, built once
+rc=0
+.venv/bin/python -m pytest -n 2 "$@" || rc=$?
+.venv-sglang/bin/python -m pytest -n 2 packages/kvcr-sglang/tests "$@" || rc=$((rc ? rc : $?))
+exit "$rc"

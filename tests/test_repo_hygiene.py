@@ -25,9 +25,9 @@ def test_ruff_is_clean() -> None:
 
 @pytest.mark.slow
 def test_mypy_strict_on_core() -> None:
-    """kvcr_core, kvcr_guard and kvcr_router type-check under --strict (pyproject.toml)."""
+    """Every kvcr package type-checks under --strict (pyproject.toml)."""
     out = run(str(BIN / "mypy"), "--config-file", "pyproject.toml", "-p", "kvcr_core",
-              "-p", "kvcr_guard", "-p", "kvcr_router")
+              "-p", "kvcr_guard", "-p", "kvcr_router", "-p", "kvcr_sglang")
     assert out.returncode == 0, out.stdout + out.stderr
 
 

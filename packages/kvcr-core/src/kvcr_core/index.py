@@ -309,6 +309,9 @@ class BlockIndex:
                 released += 1
         return aborted, released
 
+    def ready_keys(self) -> list[BlockKey]:
+        return list(self._ready)
+
     def discard(self, keys: Iterable[BlockKey]) -> int:
         """Drops READY, unleased blocks (e.g. known-bad content); returns how many."""
         listener, self.listener = self.listener, None  # one event batch, not one per key

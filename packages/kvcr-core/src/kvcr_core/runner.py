@@ -60,6 +60,11 @@ class NamespaceStore:
         with self.lock:
             return self.index.contains(keys)
 
+    def clear(self) -> int:
+        """Drops every READY block not being read; returns how many went."""
+        with self.lock:
+            return self.index.discard(self.index.ready_keys())
+
     def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER) -> Reservation:
         start = self._clock()
         with self.lock:

@@ -141,6 +141,8 @@ class ClientSession:
             return p.Count(store.abort(OpId(op.op), owner))
         if isinstance(op, p.Release):
             return p.Done(store.release(OpId(op.op), owner))
+        if isinstance(op, p.Clear):
+            return p.Count(store.clear())
         if isinstance(op, p.PeerFetch):
             return self._peer_fetch(op, store)
         if isinstance(op, p.PeerPoll):

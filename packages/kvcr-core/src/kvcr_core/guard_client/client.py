@@ -372,6 +372,12 @@ class GuardClient:
         assert isinstance(result, p.FetchOutcome)
         return result
 
+    def clear(self) -> int:
+        """Drops this namespace's READY, unleased blocks; returns how many went."""
+        result = self._one(p.Clear())
+        assert isinstance(result, p.Count)
+        return result.n
+
     def stats(self) -> p.PoolStats:
         result = self._one(p.Stats())
         assert isinstance(result, p.PoolStats)

@@ -92,6 +92,10 @@ class Stats(_Msg, tag="stats"):
     pass
 
 
+class Clear(_Msg, tag="clear"):
+    """Drop every READY, unleased block of the namespace (SGLang's storage `clear`)."""
+
+
 class PeerFetch(_Msg, tag="peer_fetch"):
     """Ask the daemon to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
 
@@ -104,7 +108,7 @@ class PeerPoll(_Msg, tag="peer_poll"):
     ticket: int
 
 
-Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | PeerFetch
+Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear | PeerFetch
       | PeerPoll)
 
 

@@ -1,0 +1,145 @@
+"""`KVCRHiCacheStorage`: kvcr as an SGLang HiCache L3 storage backend (the SGLang seam:
+this module imports SGLang and torch; `import kvcr_sglang` does not).
+
+Load it with SGLang's own flags:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvcr",
+        "module_path": "kvcr_sglang.hicache", "class_name": "KVCRHiCacheStorage",
+        "interface_v1": 1, "mode": "guarded", "socket": "/run/kvcr/guard.sock"}'
+
+SGLang builds it as `KVCRHiCacheStorage(storage_config, kwargs)` and then calls
+`register_mem_pool_host`; only then are the page geometry and the kvcr namespace known, so
+the connection to the Runner (embedded in this process, or a kvcr-guard) opens there.
+`interface_v1: 1` selects the zero-copy path (pages copied straight between SGLang's host
+pool and the kvcr pool); without it SGLang uses the generic get/set path (flat page tensors).
+Both store the same bytes. Threads: SGLang's prefetch, prefetch-I/O and backup threads call
+in concurrently; `PageStore` is thread-safe. Faults are misses (SGLang recomputes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from kvcr_guard.embedded import EmbeddedRunner
+from kvcr_guard.engine_settings import Mode
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvcr_sglang.hostpool import HostPages
+from kvcr_sglang.pagestore import PageStore
+from kvcr_sglang.settings import BackendSettings, namespace_for
+
+log = logging.getLogger("kvcr_sglang")
+
+
+class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
+    def __init__(self, storage_config: HiCacheStorageConfig,
+                 kwargs: dict[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
+        self.is_writer = bool(storage_config.is_storage_writer)
+        self.embedded: EmbeddedRunner | None = None
+        if self.settings.mode is Mode.EMBEDDED:
+            self.embedded = EmbeddedRunner(
+                self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
+                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls)
+        self.pages: HostPages | None = None
+        self.store: PageStore | None = None
+
+    # -- registration --------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pages = HostPages(mem_pool_host, mla=bool(self.storage_config.is_mla_model))
+        spec = namespace_for(self.storage_config, pages.geometry, self.settings)
+        rank = f"tp{self.storage_config.tp_rank}-pp{self.storage_config.pp_rank}"
+        identity = self.settings.identity or f"sglang-{rank}"
+        if self.store is not None:
+            self.store.close()
+        self.pages = pages
+        self.store = PageStore(self.settings.socket, spec, pages.geometry.page_bytes,
+                               identity=identity, timeout_s=self.settings.timeout_s)
+        log.info("kvcr HiCache backend: %s pages of %d bytes (%s), runner at %s",
+                 pages.geometry.layout, pages.geometry.page_bytes, self.settings.mode.value,
+                 self.settings.socket.replace("\0", "@"))
+
+    def _ready(self) -> tuple[HostPages, PageStore]:
+        if self.pages is None or self.store is None:
+            raise RuntimeError("register_mem_pool_host was not called: SGLang registers the "
+                               "host pool right after building the backend")
+        return self.pages, self.store
+
+    # -- zero-copy v1 --------------------------------------------------------------------------
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pages, store = self._ready()
+        if not self.is_writer:  # replicated (MLA) KV: one rank writes for all
+            return [True] * len(keys)
+        return store.write(keys, pages.segments(host_indices, len(keys)))
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pages, store = self._ready()
+        return store.read(keys, pages.segments(host_indices, len(keys)))
+
+    # -- generic -------------------------------------------------------------------------------
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        pages, store = self._ready()
+        targets = (list(target_locations) if target_locations is not None
+                   else [pages.pool.get_dummy_flat_data_page() for _ in keys])
+        filled = store.read(keys, HostPages.tensor_segments(targets))
+        return [t if ok else None for t, ok in zip(targets, filled, strict=True)]
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        targets = None if target_location is None else [target_location]
+        return self.batch_get([key], targets)[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        _, store = self._ready()
+        if values is None or len(values) != len(keys):
+            return False
+        if not self.is_writer:
+            return True
+        flat = [v.detach().reshape(-1).contiguous() for v in values]
+        return all(store.write(keys, HostPages.tensor_segments(flat)))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        _, store = self._ready()
+        return store.present([key])[0]
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        _, store = self._ready()
+        return store.prefix_hits(keys)
+
+    def get_stats(self) -> dict[str, int] | None:
+        return None if self.store is None else self.store.stats.as_dict()
+
+    def clear(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if self.embedded is not None:
+            self.embedded.stop()
+            self.embedded = None

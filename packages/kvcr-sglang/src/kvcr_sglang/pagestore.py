@@ -1,0 +1,200 @@
+"""`PageStore`: SGLang pages as kvcr blocks, for the HiCache backend and the linker.
+
+Owns the key mapping (SGLang's 64-hex SHA-256 page hash -> its first 16 bytes, the kvcr
+block key; any other string -> BLAKE2b-128 of it), the prefix lookup, and the copies between
+SGLang page memory (addresses, as SGLang's zero-copy interface hands them out) and pool slots.
+A block is one page's segments back to back, in a canonical order fixed by the caller.
+
+Writes are reserve + copy + commit: a page is visible to any reader only after all its bytes
+landed; a failed copy aborts. Reads are acquire + copy + release under a lease, so eviction
+never recycles a slot being read. Every kvcr fault (guard down, refused, protocol) becomes a
+miss or a failed store: SGLang then recomputes, never reads wrong bytes. Thread-safe: SGLang's
+prefetch, I/O and backup threads share one `GuardClient` (its own lock orders requests);
+copies run outside it (ctypes.memmove releases the GIL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from hashlib import blake2b
+
+from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.types import KEY_BYTES, BlockKey
+
+log = logging.getLogger("kvcr_sglang")
+
+Segments = Sequence[tuple[int, int]]  # (address, bytes) of one page's pieces, in block order
+
+
+def block_key(page_key: str) -> BlockKey:
+    """SGLang page hashes are already content addresses (SHA-256 chains): keep 16 bytes."""
+    if len(page_key) == 64:
+        try:
+            return BlockKey(bytes.fromhex(page_key)[:KEY_BYTES])
+        except ValueError:
+            pass
+    return BlockKey(blake2b(page_key.encode(), digest_size=KEY_BYTES).digest())
+
+
+class PageStoreStats:
+    """Plain counters (read by `get_stats()` and the benchmark); updated under the GIL."""
+
+    __slots__ = ("failures", "hit_pages", "lookups", "miss_pages", "read_pages",
+                 "stored_pages")
+
+    def __init__(self) -> None:
+        self.lookups = self.hit_pages = self.miss_pages = 0
+        self.stored_pages = self.read_pages = self.failures = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class PageStore:
+    def __init__(self, socket_path: str, spec: NamespaceSpec, block_bytes: int, *,
+                 identity: str, timeout_s: float) -> None:
+        self.spec = spec
+        self.block_bytes = block_bytes
+        self.client = GuardClient(socket_path, spec, block_bytes, identity=identity,
+                                  timeout_s=timeout_s)
+        self.stats = PageStoreStats()
+        self._base_lock = threading.Lock()
+        self._base: tuple[int, int, object] | None = None  # (attach count, address, export)
+        self._warned: set[str] = set()
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def prefix_hits(self, page_keys: Sequence[str]) -> int:
+        """How many leading pages are READY (0 when kvcr is unavailable)."""
+        if not page_keys:
+            return 0
+        self.stats.lookups += 1
+        try:
+            hits = self.client.lookup([block_key(k) for k in page_keys])
+        except GuardUnavailable as exc:
+            self._fault("lookup", exc)
+            hits = 0
+        self.stats.hit_pages += hits
+        self.stats.miss_pages += len(page_keys) - hits
+        return hits
+
+    def present(self, page_keys: Sequence[str]) -> list[bool]:
+        try:
+            return self.client.contains([block_key(k) for k in page_keys])
+        except GuardUnavailable as exc:
+            self._fault("contains", exc)
+            return [False] * len(page_keys)
+
+    # -- copies --------------------------------------------------------------------------------
+
+    def write(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        """Stores every page not already present; True where the page is (or is being) kept."""
+        n = len(page_keys)
+        if not n:
+            return []
+        try:
+            res = self.client.reserve([block_key(k) for k in page_keys])
+            base = self._pool_address()
+            stride = self.client.pool.stride_bytes
+            try:
+                for slot, segments in zip(res.slots, pages, strict=True):
+                    if slot is not None:
+                        self._copy_in(base + slot * stride, segments)
+            except BaseException:
+                self.client.abort(res.op)
+                raise
+            published = self.client.commit(res.op)
+        except GuardUnavailable as exc:
+            self._fault("store", exc)
+            return [False] * n
+        except ValueError as exc:  # a page whose size is not the namespace's block size
+            self._fault("page_size", exc)
+            return [False] * n
+        if published < res.granted:  # the op was reclaimed: nothing of it is trusted
+            self.stats.failures += 1
+            return [False] * n
+        self.stats.stored_pages += published
+        kept = n - res.refused
+        return [True] * kept + [False] * res.refused
+
+    def read(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        """Copies the longest READY prefix into `pages`; True for each page filled."""
+        n = len(page_keys)
+        if not n:
+            return []
+        try:
+            lease = self.client.acquire([block_key(k) for k in page_keys])
+        except GuardUnavailable as exc:
+            self._fault("read", exc)
+            return [False] * n
+        filled = [False] * n
+        try:
+            base = self._pool_address()
+            stride = self.client.pool.stride_bytes
+            for i, (slot, segments) in enumerate(zip(lease.slots, pages, strict=True)):
+                if slot is None:
+                    break
+                self._copy_out(base + slot * stride, segments)
+                filled[i] = True
+        except (GuardUnavailable, ValueError) as exc:
+            self._fault("read", exc)
+            filled = [False] * n
+        finally:
+            with contextlib.suppress(GuardUnavailable):  # a dead connection's leases are
+                self.client.release_nowait(lease.op)  # reclaimed by the daemon
+        self.stats.read_pages += sum(filled)
+        return filled
+
+    def _copy_in(self, slot_address: int, segments: Segments) -> None:
+        total = sum(size for _, size in segments)
+        if total != self.block_bytes:
+            raise ValueError(f"a page of {total} bytes; this namespace stores "
+                             f"{self.block_bytes}-byte pages")
+        offset = 0
+        for address, size in segments:
+            ctypes.memmove(slot_address + offset, address, size)
+            offset += size
+
+    def _copy_out(self, slot_address: int, segments: Segments) -> None:
+        total = sum(size for _, size in segments)
+        if total != self.block_bytes:
+            raise ValueError(f"a page of {total} bytes; this namespace stores "
+                             f"{self.block_bytes}-byte pages")
+        offset = 0
+        for address, size in segments:
+            ctypes.memmove(address, slot_address + offset, size)
+            offset += size
+
+    def _pool_address(self) -> int:
+        """The mapped pool's base address, refreshed after a re-attach."""
+        pool = self.client.pool  # attaches if needed; GuardUnavailable if it cannot
+        with self._base_lock:
+            count = self.client.attach_count
+            if self._base is None or self._base[0] != count:
+                export = ctypes.c_char.from_buffer(pool.region.view)
+                self._base = (count, ctypes.addressof(export), export)
+            return self._base[1]
+
+    def _fault(self, where: str, exc: Exception) -> None:
+        self.stats.failures += 1
+        if where not in self._warned:
+            self._warned.add(where)
+            log.warning("kvcr %s failed (%s); SGLang recomputes those pages", where, exc)
+
+    def clear(self) -> int:
+        """Drops this namespace's pages (SGLang's `clear`); 0 when kvcr is unavailable."""
+        try:
+            return self.client.clear()
+        except GuardUnavailable as exc:
+            self._fault("clear", exc)
+            return 0
+
+    def close(self) -> None:
+        with self._base_lock:
+            self._base = None
+        self.client.close()

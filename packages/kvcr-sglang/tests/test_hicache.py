@@ -1,0 +1,272 @@
+"""KVCRHiCacheStorage against SGLang's real classes on CPU: the dynamic loader, real host
+pools in every generic layout, a real HiCacheController with its own threads, a real
+kvcr-guard shared by two processes, and the failure paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
+
+import torch  # noqa: E402
+from kvcr_sglang import cpu_rig  # noqa: E402
+from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
+
+from kvcr_core.errors import ConfigError  # noqa: E402
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+SHAPE = PoolShape()
+SIDE = str(Path(__file__).with_name("sglang_side.py"))
+
+
+def rig(layout: str, extra: dict[str, object], **kw: object):  # type: ignore[no-untyped-def]
+    alloc, dev = cpu_rig.device_pool(SHAPE)
+    host = cpu_rig.host_pool(dev, SHAPE, layout)
+    ctrl = cpu_rig.controller(alloc, host, SHAPE, extra={**KVCR_EXTRA, **extra}, **kw)
+    return ctrl, host
+
+
+def stop(ctrl) -> None:  # type: ignore[no-untyped-def]
+    ctrl.detach_storage_backend()
+
+
+def tokens(n_pages: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 30000, (n_pages * SHAPE.page_tokens,), generator=g).tolist()
+
+
+def indices(first_page: int, n_pages: int) -> torch.Tensor:
+    return torch.arange(first_page * SHAPE.page_tokens, (first_page + n_pages) * SHAPE.page_tokens,
+                        dtype=torch.int64)
+
+
+def test_dynamic_backend_loads_from_real_sglang_cli_arguments() -> None:
+    """Risk: the documented SGLang flags do not load kvcr (wrong keys, wrong constructor)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    extra = json.dumps({**KVCR_EXTRA, "interface_v1": 1, "pool_bytes": "64MiB"})
+    args = parser.parse_args(["--model-path", "tiny", "--enable-hierarchical-cache",
+                              "--hicache-mem-layout", "page_first",
+                              "--hicache-storage-backend", "dynamic",
+                              "--hicache-storage-backend-extra-config", extra])
+    assert args.hicache_storage_backend == "dynamic"
+    parsed = json.loads(args.hicache_storage_backend_extra_config)
+    ctrl, _ = rig(args.hicache_mem_layout, parsed)
+    try:
+        assert type(ctrl.storage_backend).__name__ == "KVCRHiCacheStorage"
+        assert ctrl.page_get_func.__name__ == "_page_get_zero_copy"
+        assert ctrl.storage_backend.store.spec.layout.endswith("/page_first")
+    finally:
+        stop(ctrl)
+
+
+def test_a_typo_in_the_extra_config_is_an_error_naming_the_key() -> None:
+    """Risk: a misspelt key silently runs without the intended setting."""
+    with pytest.raises(ValueError) as err:
+        rig("page_first", {"interface_v1": 1, "sokcet": "/tmp/x"})
+    assert isinstance(err.value.__cause__ or err.value, ConfigError | ValueError)
+    assert "sokcet" in str(err.value) or "sokcet" in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("interface", ["v1", "generic"])
+def test_round_trip_is_bit_exact_through_the_controller_io_paths(layout: str,
+                                                                 interface: str) -> None:
+    """Risk: pages come back permuted or short in some layout / interface."""
+    extra = {"interface_v1": 1} if interface == "v1" else {}
+    ctrl, host = rig(layout, {**extra, "pool_bytes": "64MiB"})
+    try:
+        n = 6
+        cpu_rig.fill_pages(host, 1, n, seed=3)
+        want = cpu_rig.page_bytes(host, 1, n)
+        keys = cpu_rig.page_keys(tokens(n, 1), SHAPE.page_tokens)
+        assert ctrl.page_set_func(keys, indices(1, n)) is True
+        assert ctrl.storage_backend.batch_exists(keys) == n
+        assert ctrl.storage_backend.batch_exists([*keys[:3], "0" * 64, *keys[3:]]) == 3
+        cpu_rig.zero_pages(host, 10, n)
+        from sglang.srt.managers.cache_controller import PrefetchOperation
+
+        op = PrefetchOperation("r1", [])
+        assert ctrl.page_get_func(op, keys, indices(10, n)) == n
+        assert cpu_rig.page_bytes(host, 10, n) == want
+    finally:
+        stop(ctrl)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generic_and_zero_copy_store_the_same_bytes(layout: str) -> None:
+    """Risk: a page written by one interface is read permuted by the other."""
+    ctrl, host = rig(layout, {"pool_bytes": "64MiB"})
+    try:
+        backend = ctrl.storage_backend
+        cpu_rig.fill_pages(host, 1, 3, seed=9)
+        want = cpu_rig.page_bytes(host, 1, 3)
+        keys = cpu_rig.page_keys(tokens(3, 2), SHAPE.page_tokens)
+        assert ctrl._generic_page_set(keys, indices(1, 3))
+        cpu_rig.zero_pages(host, 5, 3)
+        assert backend.batch_get_v1(keys, indices(5, 3)) == [True] * 3
+        assert cpu_rig.page_bytes(host, 5, 3) == want
+    finally:
+        stop(ctrl)
+
+
+def test_real_controller_threads_back_up_and_prefetch_through_kvcr() -> None:
+    """Risk: kvcr works when called directly but not from SGLang's own backup / prefetch /
+    I/O threads (thread safety, the prefix query, the ack protocol)."""
+    ctrl, host = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB"})
+    try:
+        n = 3
+        toks = tokens(n, 5)
+        keys = cpu_rig.page_keys(toks, SHAPE.page_tokens)
+        cpu_rig.fill_pages(host, 2, n, seed=11)
+        want = cpu_rig.page_bytes(host, 2, n)
+        ctrl.write_storage(indices(2, n), toks, hash_value=keys)
+        done = cpu_rig.drain(ctrl.ack_backup_queue, 30)
+        assert done.completed_tokens == n * SHAPE.page_tokens
+        op = ctrl.prefetch("req-1", toks)
+        op = cpu_rig.drain(ctrl.prefetch_hit_queue, 30)
+        assert op.storage_hit_count == n * SHAPE.page_tokens and op.hash_value == keys
+        cpu_rig.zero_pages(host, 20, n)
+        op.host_indices = indices(20, n)
+        ctrl.prefetch_buffer.put(op)
+        completed = 0
+        while True:
+            ack = cpu_rig.drain(ctrl.ack_prefetch_queue, 30)
+            if ack.completed_tokens is not None:
+                completed = max(completed, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        assert completed == n * SHAPE.page_tokens
+        assert cpu_rig.page_bytes(host, 20, n) == want
+        assert ctrl.storage_backend.get_stats()["read_pages"] == n
+    finally:
+        stop(ctrl)
+
+
+def test_namespaces_keep_layouts_and_ranks_apart() -> None:
+    """Risk: page_first bytes served to a layer_first pool, or rank 0's shard to rank 1."""
+    ctrl_a, _host_a = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB"})
+    backend = ctrl_a.storage_backend
+    try:
+        spec_a = backend.store.spec
+    finally:
+        stop(ctrl_a)
+    ctrl_b, _ = rig("layer_first", {"interface_v1": 1, "pool_bytes": "64MiB"})
+    try:
+        spec_b = ctrl_b.storage_backend.store.spec
+    finally:
+        stop(ctrl_b)
+    assert spec_a.digest() != spec_b.digest()
+    from kvcr_sglang.settings import namespace_for
+
+    backend_geometry = backend.pages.geometry
+    cfg = ctrl_a.storage_config
+    settings = backend.settings
+    import dataclasses
+
+    rank1 = dataclasses.replace(cfg, tp_rank=1, tp_size=2)
+    rank0 = dataclasses.replace(cfg, tp_rank=0, tp_size=2)
+    assert (namespace_for(rank0, backend_geometry, settings).digest()
+            != namespace_for(rank1, backend_geometry, settings).digest())
+    mla0 = dataclasses.replace(rank0, is_mla_model=True)
+    mla1 = dataclasses.replace(rank1, is_mla_model=True)
+    assert (namespace_for(mla0, backend_geometry, settings).digest()
+            == namespace_for(mla1, backend_geometry, settings).digest())
+
+
+def test_cache_salt_changes_sglang_keys_so_pages_never_cross_namespaces() -> None:
+    """Risk: a salted request reads another tenant's pages."""
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    toks = tokens(2, 8)
+    plain = cpu_rig.page_keys(toks, SHAPE.page_tokens)
+    salted = cpu_rig.page_keys(toks, SHAPE.page_tokens, storage_namespace_seed(None, "t1"))
+    assert not set(plain) & set(salted)
+
+
+def test_clear_drops_this_namespace(harness, short_tmp: str) -> None:  # type: ignore[no-untyped-def]
+    """Risk: SGLang's clear endpoint leaves pages that it promised were gone."""
+    guard = harness.Guard(short_tmp).start()
+    ctrl, host = rig("page_first", {"interface_v1": 1, "mode": "guarded",
+                                    "socket": guard.socket})
+    try:
+        keys = cpu_rig.page_keys(tokens(2, 3), SHAPE.page_tokens)
+        cpu_rig.fill_pages(host, 1, 2, seed=1)
+        assert ctrl.page_set_func(keys, indices(1, 2))
+        assert ctrl.storage_backend.batch_exists(keys) == 2
+        ctrl.storage_backend.clear()
+        assert ctrl.storage_backend.batch_exists(keys) == 0
+    finally:
+        stop(ctrl)
+
+
+def test_two_sglang_processes_share_pages_through_one_guard(harness, short_tmp: str
+                                                            ) -> None:  # type: ignore[no-untyped-def]
+    """Risk: pages stored by one SGLang process are not found, or not byte-exact, in another."""
+    guard = harness.Guard(short_tmp).start()
+
+    def side(role: str) -> dict[str, object]:
+        out = subprocess.run([sys.executable, SIDE, guard.socket, role], capture_output=True,
+                             text=True, timeout=240, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    wrote = side("write")
+    read = side("read")
+    assert wrote["stored"] == 8
+    assert read["hits"] == 8 and read["filled"] == 8
+    assert read["digest"] == wrote["digest"]
+    assert guard.metric("kvcr_blocks_stored_total") == 8
+    assert guard.metric("kvcr_lookup_hit_blocks_total") >= 8
+
+
+def test_guard_down_means_misses_and_sglang_proceeds(short_tmp: str) -> None:
+    """Risk: kvcr being unreachable fails or hangs SGLang's storage threads."""
+    ctrl, _host = rig("page_first", {"interface_v1": 1, "mode": "guarded",
+                                    "socket": os.path.join(short_tmp, "none.sock"),
+                                    "timeout_s": 0.5})
+    try:
+        keys = cpu_rig.page_keys(tokens(2, 4), SHAPE.page_tokens)
+        assert ctrl.page_set_func(keys, indices(1, 2)) is False
+        op = ctrl.prefetch("req-down", tokens(2, 4))
+        op = cpu_rig.drain(ctrl.prefetch_hit_queue, 30)
+        assert op.storage_hit_count == 0
+        assert ctrl.storage_backend.batch_get_v1(keys, indices(3, 2)) == [False, False]
+        assert ctrl.storage_backend.get_stats()["failures"] >= 3
+    finally:
+        stop(ctrl)
+
+
+def test_random_backend_failures_never_serve_a_corrupted_page(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: with SGLang's failure injector on, a failed store leaves a page that reads back
+    wrong (a page is only ever reported read when its bytes are exact)."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    ctrl, host = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB"})
+    try:
+        assert type(ctrl.storage_backend).__name__ == "HiCacheStorageFailureInjector"
+        from sglang.srt.managers.cache_controller import PrefetchOperation
+
+        checked = 0
+        for round_ in range(30):
+            keys = cpu_rig.page_keys(tokens(2, 100 + round_), SHAPE.page_tokens)
+            cpu_rig.fill_pages(host, 1, 2, seed=round_)
+            want = cpu_rig.page_bytes(host, 1, 2)
+            ctrl.page_set_func(keys, indices(1, 2))
+            cpu_rig.zero_pages(host, 5, 2)
+            got = ctrl.page_get_func(PrefetchOperation("r", []), keys, indices(5, 2))
+            assert cpu_rig.page_bytes(host, 5, got) == want[:got]
+            checked += got
+        assert checked > 0
+    finally:
+        stop(ctrl)
