@@ -14,11 +14,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kvcr_router.config import RouterConfig, WorkerSpec
-from kvcr_router.cost import CostWeights
+from kvcr_router.cost import CostWeights, choose
 from kvcr_router.front import Router
 from kvcr_router.hashing import PromptHasher
-from kvcr_router.hinting import strip_client_hints
-from kvcr_router.indexer import Tier
+from kvcr_router.hinting import hinted_hashes, strip_client_hints
+from kvcr_router.indexer import BlockIndexer, Tier
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.hints import parse_hint
@@ -43,6 +43,7 @@ class FakeWorker:
         self.bodies: list[dict[str, Any]] = []
         self.health_status = 200
         self.gate: asyncio.Event | None = None  # streaming pauses after the first chunk
+        self.drop_next = 0  # close this many connections without answering
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -68,6 +69,11 @@ class FakeWorker:
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.drop_next:
+            self.drop_next -= 1
+            assert request.transport is not None
+            request.transport.close()  # as a server closing an idle keep-alive connection
+            return web.Response()
         self.bodies.append(body)
         if not body.get("stream"):
             return web.json_response({"worker": self.name, "choices": [{"text": "ok"}]})
@@ -331,3 +337,37 @@ def test_worker_receives_the_body_as_json() -> None:
         assert a.bodies == [body]
 
     run(test)
+
+
+def test_a_dropped_connection_is_retried_once_without_marking_the_worker_down() -> None:
+    """A worker closing the connection before answering (keep-alive race) gets the request
+    again on a fresh connection and stays healthy; twice in a row, the request moves on."""
+
+    async def test() -> None:
+        a, b = await FakeWorker("a").start(), await FakeWorker("b").start()
+        async with routed([a, b], health_interval_s=60) as (router, url), \
+                aiohttp.ClientSession() as http:
+            a.drop_next = 1
+            async with http.post(url + "/v1/completions", json={"prompt": [1]}) as resp:
+                assert (await resp.json())["worker"] == "a"
+            a.drop_next = 2
+            async with http.post(url + "/v1/completions", json={"prompt": [1]}) as resp:
+                assert (await resp.json())["worker"] == "b"
+            assert router.pool.routable() == ["a", "b"]
+        await a.stop()
+        await b.stop()
+
+    run(test)
+
+
+def test_hint_widens_back_to_the_destinations_pool_prefix() -> None:
+    """The connector extends its *pool* prefix: when the destination holds more in its
+    engine cache than in its pool, the hint starts where its pool ends (if the source holds
+    that stretch), so the fetched run joins the pool prefix."""
+    idx = BlockIndexer()
+    idx.apply("b", Tier.DEVICE, 1, 1, HASHES[:5], [])
+    idx.apply("b", Tier.POOL, 1, 1, HASHES[:2], [])
+    idx.apply("a", Tier.POOL, 1, 1, HASHES[:30], [])
+    decision = choose(idx, HASHES, ["b"], {}, CostWeights())
+    assert decision.hint_source == "a" and decision.hint_range == (5, 30)
+    assert hinted_hashes(idx, decision, HASHES) == HASHES[2:30]

@@ -3,7 +3,8 @@ replay, in `kvcr_router.simulate`, imported only when chosen), plus `--version`.
 
 Every `serve` flag has a documented default (docs/router.md) and may also come from
 `--config FILE` (YAML/JSON, same names); flags given on the command line win.
-Exit codes: 0 ok, 2 usage or configuration error.
+Exit codes: 0 ok, 2 usage or configuration error. `serve` runs the front's event loop on
+the main thread until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations

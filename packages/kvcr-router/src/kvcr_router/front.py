@@ -51,7 +51,13 @@ MAX_OUTPUT_TOKENS = 1 << 20
 
 
 class _Unreachable(Exception):
-    """The worker could not be reached before it answered: try another one."""
+    """The worker did not take the request: decide again. `down`: the connection was refused
+    or timed out (the worker is marked unhealthy); otherwise the server closed the connection
+    before answering, as a server does with an idle keep-alive connection (retried once)."""
+
+    def __init__(self, down: bool) -> None:
+        super().__init__()
+        self.down = down
 
 
 class Router:
@@ -71,7 +77,8 @@ class Router:
         if peers and new_reader is None:
             raise ValueError("workers with a peer endpoint need the peer secret")
         self._feed_executor = ThreadPoolExecutor(max(1, len(peers)), "kvcr-router-feed")
-        self._hash_executor = ThreadPoolExecutor(2, "kvcr-router-hash")
+        # One thread: HF fast tokenizers must not encode concurrently ("Already borrowed").
+        self._hash_executor = ThreadPoolExecutor(1, "kvcr-router-hash")
         self.inventory = {w.name: InventoryFeed(
             w.name, config.namespace_digest, _bind(new_reader, w), self.indexer, self.metrics,
             self._feed_executor, config.inventory_interval_s) for w in peers if new_reader}
@@ -194,6 +201,7 @@ class Router:
         blocks = -(-(tokens + _max_tokens(body)) // self.config.block_size)
         request_id = f"kvcr-{uuid.uuid4().hex[:20]}"
         tried: set[str] = set()
+        dropped: set[str] = set()
         while True:
             names = self.pool.routable(frozenset(tried))
             if not names:
@@ -209,8 +217,10 @@ class Router:
             try:
                 return await self._forward(request, route, path, decision.worker, out,
                                            blocks, hint_blocks)
-            except _Unreachable:
-                tried.add(decision.worker)
+            except _Unreachable as exc:
+                if exc.down or decision.worker in dropped:
+                    tried.add(decision.worker)
+                dropped.add(decision.worker)
 
     def _hash(self, route: PromptKind, body: Mapping[str, Any]) -> tuple[list[int], int]:
         try:
@@ -254,12 +264,14 @@ class Router:
             try:
                 upstream = await self._session.post(spec.url + path, data=json.dumps(body),
                                                     headers=headers, timeout=timeout)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                    aiohttp.ConnectionTimeoutError) as exc:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
                 self.metrics.upstream_failures.labels(name, reason).inc()
                 self.pool.set_health(name, False, f"{type(exc).__name__}: {exc}")
-                raise _Unreachable from exc
+                raise _Unreachable(down=True) from exc
+            except aiohttp.ServerDisconnectedError as exc:
+                self.metrics.upstream_failures.labels(name, "broken").inc()
+                raise _Unreachable(down=False) from exc
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 self.metrics.upstream_failures.labels(name, "timeout").inc()
                 self.metrics.requests.labels(route, "upstream_error").inc()

@@ -11,7 +11,8 @@ adds them). `PromptHasher.hashes(tokens)` chains kvcr block keys from the namesp
 A wrong guess only costs credit, never correctness (the worker matches hashes itself).
 
 `HfTokenizer` is the one seam to `transformers` (imported lazily, when a tokenizer loads).
-Thread-safe after construction (the front calls it from an executor thread).
+The front calls it from one executor thread (HF fast tokenizers are not safe to share
+between threads that encode at once).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcr_core.hints import FETCH_ACTION_VERSION, PROTOCOL_VERSION
+from kvcr_core.hints import DEFAULT_LIMITS, FETCH_ACTION_VERSION, PROTOCOL_VERSION
 from kvcr_router.cost import Decision
 from kvcr_router.indexer import BlockIndexer, Tier
 
@@ -65,4 +65,5 @@ def hinted_hashes(indexer: BlockIndexer, decision: Decision, hashes: Sequence[in
     pool = indexer.prefix(decision.worker, Tier.POOL, hashes)
     if pool < low and max(indexer.run_from(source, tier, hashes, pool) for tier in Tier) >= low:
         low = pool
-    return list(hashes[low:high])
+    # Workers refuse larger hints; the run's start is what extends the worker's prefix.
+    return list(hashes[low:min(high, low + DEFAULT_LIMITS.max_hashes)])
