@@ -341,21 +341,29 @@ def test_worker_receives_the_body_as_json() -> None:
 
 def test_a_dropped_connection_is_retried_once_without_marking_the_worker_down() -> None:
     """A worker closing the connection before answering (keep-alive race) gets the request
-    again on a fresh connection and stays healthy; twice in a row, the request moves on."""
+    again on a fresh connection and stays healthy; twice in a row, the request is decided
+    again, and the hint made for the first worker does not travel to the next one."""
 
     async def test() -> None:
-        a, b = await FakeWorker("a").start(), await FakeWorker("b").start()
-        async with routed([a, b], health_interval_s=60) as (router, url), \
+        a, c = await FakeWorker("a").start(), await FakeWorker("c").start()
+        async with routed([a, c], {"c": FakeInventory([batch(1, HASHES)])},
+                          health_interval_s=60) as (router, url), \
                 aiohttp.ClientSession() as http:
+            await until(lambda: router.indexer.prefix("c", Tier.POOL, HASHES) == 40)
+            router.pool.begin("c", 15)  # c (holder) costs 25, a (can fetch from c) 20
+            body = {"prompt": PROMPT, "kv_transfer_params": {"keep": 1}}
             a.drop_next = 1
-            async with http.post(url + "/v1/completions", json={"prompt": [1]}) as resp:
+            async with http.post(url + "/v1/completions", json=body) as resp:
                 assert (await resp.json())["worker"] == "a"
             a.drop_next = 2
-            async with http.post(url + "/v1/completions", json={"prompt": [1]}) as resp:
-                assert (await resp.json())["worker"] == "b"
-            assert router.pool.routable() == ["a", "b"]
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert (await resp.json())["worker"] == "c"
+            assert router.pool.routable() == ["a", "c"]
         await a.stop()
-        await b.stop()
+        await c.stop()
+        (hint,) = [parse_hint(x["kv_transfer_params"]["kv_hint"]) for x in a.bodies]
+        assert hint.fetches[0].source_endpoint == "tcp://127.0.0.1:7101"
+        assert c.bodies == [body]  # no hint: c holds the prefix itself
 
     run(test)
 

@@ -209,7 +209,7 @@ class Router:
                 return _error(503, "no healthy worker could take the request")
             decision = choose(self.indexer, hashes, names, self.pool.loads(),
                               self.config.weights, self.rng)
-            if not tried:
+            if not tried and not dropped:  # the first decision only
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
             out = dict(body)
             hint_blocks = self._hint(decision, hashes, request_id, out)

@@ -38,10 +38,11 @@ def strip_client_hints(body: dict[str, Any]) -> list[str]:
 
 
 def attach_hint(body: dict[str, Any], envelope: dict[str, Any]) -> None:
+    """Sets `kv_transfer_params.kv_hint` on a new params dict (the body may be a shallow copy
+    of one that a retry reuses: its nested dict must not keep this attempt's hint)."""
     params = body.get("kv_transfer_params")
-    if not isinstance(params, dict):
-        params = body["kv_transfer_params"] = {}
-    params["kv_hint"] = envelope
+    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}),
+                                  "kv_hint": envelope}
 
 
 def build_envelope(message_id: str, source_endpoint: str,
