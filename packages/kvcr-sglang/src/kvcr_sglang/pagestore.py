@@ -24,7 +24,7 @@ from hashlib import blake2b
 
 from kvcr_core.guard_client import GuardClient, GuardUnavailable
 from kvcr_core.keys import NamespaceSpec
-from kvcr_core.types import KEY_BYTES, BlockKey
+from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
 log = logging.getLogger("kvcr_sglang")
 
@@ -149,6 +149,26 @@ class PageStore:
                 self.client.release_nowait(lease.op)  # reclaimed by the daemon
         self.stats.read_pages += sum(filled)
         return filled
+
+    def lease(self, page_keys: Sequence[str]) -> tuple[int, list[int]] | None:
+        """Leases the pages (all of them or none): (op, slot addresses); None on a miss or a
+        fault. The caller copies out at its own pace (layer by layer) and then `unlease`s."""
+        try:
+            lease = self.client.acquire([block_key(k) for k in page_keys])
+            if lease.granted < len(page_keys):
+                self.client.release_nowait(lease.op)
+                return None
+            base = self._pool_address()
+            stride = self.client.pool.stride_bytes
+        except GuardUnavailable as exc:
+            self._fault("read", exc)
+            return None
+        return lease.op, [base + int(slot) * stride for slot in lease.slots if slot is not None]
+
+    def unlease(self, op: int, pages: int) -> None:
+        self.stats.read_pages += pages
+        with contextlib.suppress(GuardUnavailable):
+            self.client.release_nowait(OpId(op))
 
     def _copy_in(self, slot_address: int, segments: Segments) -> None:
         total = sum(size for _, size in segments)

@@ -1,0 +1,245 @@
+"""`KVCRUnifiedCacheLinker`: kvcr as SGLang's unified-cache external linker (direct L3: the
+device KV pool <-> the kvcr pool, no host tier). The SGLang seam for the linker.
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
+    --unified-cache-external-linker-config '{"linker": "KVCRUnifiedCacheLinker",
+        "linker_module_path": "kvcr_sglang.linker",
+        "linker_extra_config": {"mode": "guarded", "socket": "/run/kvcr/guard.sock"}}'
+
+Contract (SGLang 0.5.23 `UnifiedCacheLinker`): `lookup` answers every restorable prefix
+length from the kvcr index; `load` queues a request's pages and `start_layer_wise_loading`
+leases them all (all or nothing) and hands them to the load thread, which copies layer by
+layer and completes each layer on `layer_done_counter` (the forward waits per layer); a page
+that vanished fails the batch, so SGLang aborts those requests instead of reading stale
+slots. `offload` queues pages for the offload thread (reserve + copy + commit, all layers);
+results come back in order through `pop_completed_offload`. Full-attention KV only (the
+`KV` pool); plain MHA models get their pool view from SGLang's own `DevicePoolEntry`.
+Threads: SGLang's scheduler thread calls in; one load thread and one offload thread copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import torch
+from kvcr_guard.embedded import EmbeddedRunner
+from kvcr_guard.engine_settings import Mode
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
+
+from kvcr_core.keys import NamespaceSpec
+from kvcr_sglang.pagestore import PageStore
+from kvcr_sglang.settings import BackendSettings
+
+log = logging.getLogger("kvcr_sglang")
+FIELD = "unified_cache_external_linker_config.linker_extra_config"
+
+
+def _kv_pool_entry(params: Any, components: Any) -> tuple[Any, bool]:
+    """SGLang's zero-copy view of the device KV pool, and whether KV is rank-replicated."""
+    from sglang.srt.mem_cache.hybrid_cache import linker_pool_assembler as assembler
+
+    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+    try:
+        group = assembler.resolve_hybrid_device_pool_group(
+            kvcache=kvcache, page_size=params.page_size, params=params, components=components)
+    except ValueError:  # SGLang 0.5.23 builds no linker view for plain full-attention pools
+        if not hasattr(kvcache, "k_buffer"):
+            raise
+        layers = {layer: layer for layer in range(len(kvcache.k_buffer))}
+        return assembler._mha_device_pool_entry(PoolName.KV, kvcache, layers,
+                                                params.page_size), False
+    extra = sorted(str(name) for name in group.entry_map if name != PoolName.KV)
+    if extra:
+        raise ValueError(f"kvcr's linker moves full-attention KV only; this model also has "
+                         f"{', '.join(extra)} pools: use kvcr as a HiCache storage backend")
+    return group.entry_map[PoolName.KV], bool(group.rank_replicated)
+
+
+class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLang is untyped
+    def __init__(self, server_args: Any, params: Any, *, components: Any,
+                 extra_config: dict[str, Any] | None = None, forward_stream: Any = None,
+                 **_: Any) -> None:
+        self.forward_stream = forward_stream
+        self.settings = BackendSettings.from_extra_config(extra_config, field=FIELD)
+        self.page_tokens = int(params.page_size)
+        self.entry, replicated = _kv_pool_entry(params, components)
+        self.pools = {PoolName.KV: self.entry}
+        kvcache = self.entry.device_pool
+        self.num_layers = len(kvcache.k_buffer)
+        tp_rank, tp_size = 0, 1
+        group = getattr(params, "attn_tp_cache_group", None) or getattr(
+            params, "tp_cache_group", None)
+        if group is not None and torch.distributed.is_initialized():
+            tp_rank = torch.distributed.get_rank(group=group)
+            tp_size = torch.distributed.get_world_size(group=group)
+        self.offload_owner = not replicated or tp_rank == 0
+        self.layer_bytes = int(self.entry.buffer_meta[0][0][2])  # one page of one K (or V) layer
+        spec = self._namespace(kvcache, params, replicated, tp_rank, tp_size)
+        self.embedded: EmbeddedRunner | None = None
+        if self.settings.mode is Mode.EMBEDDED:
+            self.embedded = EmbeddedRunner(
+                self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
+                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls)
+        self.store = PageStore(self.settings.socket, spec, 2 * self.num_layers * self.layer_bytes,
+                               identity=self.settings.identity or f"sglang-linker-tp{tp_rank}",
+                               timeout_s=self.settings.timeout_s)
+        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        self.pending: dict[str, list[PoolTransfer]] = {}
+        self._loads: queue.Queue[tuple[int, list[PoolTransfer]] | None] = queue.Queue()
+        self._offloads: queue.Queue[list[PoolTransfer] | None] = queue.Queue()
+        self._offload_results: queue.Queue[bool] = queue.Queue()
+        self._threads = [threading.Thread(target=self._load_loop, daemon=True,
+                                          name=f"kvcr-linker-load-tp{tp_rank}"),
+                         threading.Thread(target=self._offload_loop, daemon=True,
+                                          name=f"kvcr-linker-offload-tp{tp_rank}")]
+        for thread in self._threads:
+            thread.start()
+
+    def _namespace(self, kvcache: Any, params: Any, replicated: bool, tp_rank: int,
+                   tp_size: int) -> NamespaceSpec:
+        import sglang
+
+        dtype = str(kvcache.store_dtype).removeprefix("torch.")
+        return NamespaceSpec(
+            model_id=self.settings.model_id or "sglang-model", dtype=dtype, kv_dtype=dtype,
+            block_size_tokens=self.page_tokens, num_layers=self.num_layers,
+            num_kv_heads=int(kvcache.head_num), head_dim=int(kvcache.head_dim),
+            layout=f"sglang-{sglang.__version__}/linker/{type(kvcache).__name__}",
+            tp_size=1 if replicated else tp_size, tp_rank=0 if replicated else tp_rank,
+            tenant=self.settings.tenant,
+            extra={"pp": f"{params.pp_rank}/{params.pp_size}"})
+
+    # -- lookup and load -----------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if kv is None or not kv.keys:
+            return []
+        return list(range(1, self.store.prefix_hits(list(kv.keys)) + 1))
+
+    def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
+        kv = [t for t in transfers if t.name == PoolName.KV and t.keys]
+        if not kv:
+            return False
+        if rid in self.pending:
+            raise RuntimeError(f"kvcr linker: a load for rid={rid} is already queued")
+        self.pending[rid] = kv
+        return True
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        return self.pending.pop(rid, None) is not None
+
+    def start_layer_wise_loading(self) -> int:
+        if not self.pending:
+            return -1
+        batch = [t for transfers in self.pending.values() for t in transfers]
+        self.pending = {}
+        index = int(self.layer_done_counter.update_producer())
+        self._loads.put((index, batch))
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return bool(self.layer_done_counter.finish(counter_index))
+
+    def _load_loop(self) -> None:
+        while (task := self._loads.get()) is not None:
+            index, batch = task
+            leases: list[tuple[int, list[int]]] = []
+            try:
+                plans = []
+                for transfer in batch:
+                    leased = self.store.lease(list(transfer.keys))
+                    if leased is None:
+                        raise LookupError(f"{len(transfer.keys)} pages are no longer in kvcr")
+                    leases.append(leased)
+                    ptrs, _ = self.entry.get_page_buffer_meta(
+                        self._device_indices(transfer))
+                    plans.append((leased[1], ptrs))
+                self._copy_layers(index, plans)
+            except BaseException as exc:
+                log.warning("kvcr linker load failed (%s); SGLang aborts those requests", exc)
+                self.layer_done_counter.fail(index, exc)
+            finally:
+                for op, slots in leases:
+                    self.store.unlease(op, len(slots))
+
+    def _copy_layers(self, index: int, plans: list[tuple[list[int], list[int]]]) -> None:
+        import ctypes
+
+        n, size = self.num_layers, self.layer_bytes
+        for layer in range(n):
+            for slots, ptrs in plans:  # ptrs: per page, K of each layer then V of each layer
+                for page, slot in enumerate(slots):
+                    base = page * 2 * n
+                    ctypes.memmove(ptrs[base + layer], slot + layer * size, size)
+                    ctypes.memmove(ptrs[base + n + layer], slot + (n + layer) * size, size)
+            self.layer_done_counter.complete(index, layer)
+
+    def _device_indices(self, transfer: PoolTransfer) -> torch.Tensor:
+        indices = transfer.device_indices if transfer.device_indices is not None else (
+            transfer.host_indices)
+        if indices is None:
+            raise ValueError("a KV transfer without device indices")
+        result: torch.Tensor = indices[: len(transfer.keys) * self.page_tokens]
+        return result
+
+    # -- offload -------------------------------------------------------------------------------
+
+    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        kv = [t for t in transfers if t.name == PoolName.KV and t.keys]
+        self._offloads.put(kv)
+        return True
+
+    def _offload_loop(self) -> None:
+        while (batch := self._offloads.get()) is not None:
+            ok = True
+            try:
+                for transfer in batch if self.offload_owner else []:
+                    ptrs, sizes = self.entry.get_page_buffer_meta(self._device_indices(transfer))
+                    per_page = 2 * self.num_layers
+                    pages = [list(zip(ptrs[i:i + per_page], sizes[i:i + per_page], strict=True))
+                             for i in range(0, len(ptrs), per_page)]
+                    ok = all(self.store.write(list(transfer.keys), pages)) and ok
+            except Exception as exc:
+                log.warning("kvcr linker offload failed (%s)", exc)
+                ok = False
+            self._offload_results.put(ok)
+
+    def num_completed_offloads(self) -> int:
+        return self._offload_results.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        return self._offload_results.get_nowait()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _quiesce(self) -> None:
+        self.pending = {}
+        self._loads.put(None)  # after what is queued: the threads finish it, then stop
+        self._offloads.put(None)
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def reset(self) -> None:
+        self._quiesce()
+        while not self._offload_results.empty():
+            self._offload_results.get_nowait()
+        self.layer_done_counter.reset()
+        self._threads = [threading.Thread(target=self._load_loop, daemon=True),
+                         threading.Thread(target=self._offload_loop, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def close(self) -> None:
+        self._quiesce()
+        self.store.close()
+        if self.embedded is not None:
+            self.embedded.stop()
+            self.embedded = None
