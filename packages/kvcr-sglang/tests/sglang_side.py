@@ -23,7 +23,7 @@ def main(socket_path: str, role: str) -> int:
     gen = torch.Generator().manual_seed(42)
     tokens = torch.randint(10, 30000, (n * page,), generator=gen).tolist()
     keys = cpu_rig.page_keys(tokens, page)
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"keys": keys}
     if role == "write":
         cpu_rig.fill_pages(host, 1, n, seed=77)
         ok = ctrl.storage_backend.batch_set_v1(keys, torch.arange(page, (n + 1) * page))

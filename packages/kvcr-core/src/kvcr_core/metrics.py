@@ -16,6 +16,7 @@ import bisect
 import enum
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -28,6 +29,9 @@ from prometheus_client.registry import Collector
 
 from kvcr_core.errors import HintRejectReason
 from kvcr_core.hints import HINT_ACCEPTED
+
+if TYPE_CHECKING:
+    from kvcr_core.hintboard import HintBoard
 
 # Bucket edges in seconds, from 1 us (index ops) to 1 s (a slow batched copy).
 OP_BUCKETS_S = (1e-6, 5e-6, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 2e-2, 0.1, 1.0)
@@ -119,6 +123,7 @@ class RunnerMetrics(LightMetrics):
         self.op_seconds = {op.value: LightHistogram(OP_BUCKETS_S) for op in IndexOp}
         self._pool_used: Callable[[], float] = lambda: 0.0
         self._pool_capacity: Callable[[], float] = lambda: 0.0
+        self._board: HintBoard | None = None
         self.register()
 
     # -- recording (hot path: one lock, plain ints) -------------------------------------------
@@ -178,6 +183,9 @@ class RunnerMetrics(LightMetrics):
         """Gauges read live from the runner at scrape time (no bookkeeping on hot paths)."""
         self._pool_used, self._pool_capacity = used, capacity
 
+    def bind_hint_board(self, board: HintBoard) -> None:
+        self._board = board
+
     # -- scrape ------------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
@@ -211,3 +219,13 @@ class RunnerMetrics(LightMetrics):
                                 value=self._pool_used())
         yield GaugeMetricFamily("kvcr_pool_capacity_bytes", "Bytes of pool slots in all namespaces",
                                 value=self._pool_capacity())
+        board = self._board
+        if board is not None:
+            yield GaugeMetricFamily("kvcr_hint_board_hashes",
+                                    "Block hashes of posted hints the board remembers",
+                                    value=len(board))
+            yield self.counter("kvcr_hint_board_posted_hashes_total",
+                               "Block hashes taken from posted hints", board.posted_hashes)
+            yield self.counter("kvcr_hint_board_matched_hashes_total",
+                               "Missed blocks an engine found a posted hint for",
+                               board.matched_hashes)

@@ -21,6 +21,7 @@ from kvcr_core.blockcopy import load_blocks, store_blocks
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
 from kvcr_core.eviction import make_policy, resolve_policy
+from kvcr_core.hintboard import HintBoard
 from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.inventory import InventoryLog
@@ -167,11 +168,19 @@ class Runner:
         self.hints = HintIntake(self.metrics, HintLimits(
             max_actions=self.config.max_hint_actions, max_hashes=self.config.max_hint_hashes,
             max_bytes=self.config.max_hint_bytes))
+        self.hint_board = HintBoard()
         self._stores: dict[NamespaceDigest, NamespaceStore] = {}
         self.inventory = InventoryLog()
         self._lock = threading.Lock()
         self._closed = False
         self.metrics.bind_pool_gauges(self._used_bytes, self._capacity_bytes)
+        self.metrics.bind_hint_board(self.hint_board)
+
+    def post_hint(self, raw: object) -> int:
+        """A hint for requests still to come (see `HintBoard`): validated and counted like any
+        hint; returns the block hashes remembered (0 if it was rejected)."""
+        hint = self.hints.accept(raw)
+        return 0 if hint is None else self.hint_board.post(hint)
 
     def open_namespace(self, namespace: NamespaceSpec | NamespaceDigest, block_bytes: int, *,
                        pool_bytes: int | None = None, prefault: bool = False) -> NamespaceStore:

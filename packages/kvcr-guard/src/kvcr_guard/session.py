@@ -143,6 +143,10 @@ class ClientSession:
             return p.Done(store.release(OpId(op.op), owner))
         if isinstance(op, p.Clear):
             return p.Count(store.clear())
+        if isinstance(op, p.PostHint):
+            return p.Count(self._runner.post_hint(op.envelope))
+        if isinstance(op, p.HintSources):
+            return self._hint_sources(op)
         if isinstance(op, p.PeerFetch):
             return self._peer_fetch(op, store)
         if isinstance(op, p.PeerPoll):
@@ -165,6 +169,18 @@ class ClientSession:
         self._tickets[self._next_ticket] = client.fetch_async(
             op.endpoint, op.keys, op.deadline_ms / 1000)  # type: ignore[arg-type]
         return p.Ticket(self._next_ticket)
+
+    def _hint_sources(self, op: p.HintSources) -> p.Sources:
+        endpoints: list[str] = []
+        index: list[int] = []
+        for source in self._runner.hint_board.sources(op.hashes):
+            if source is None:
+                index.append(-1)
+                continue
+            if source not in endpoints:
+                endpoints.append(source)
+            index.append(endpoints.index(source))
+        return p.Sources(endpoints, index)
 
     def _peer_poll(self, op: p.PeerPoll) -> p.Result:
         handle = self._tickets.get(op.ticket)

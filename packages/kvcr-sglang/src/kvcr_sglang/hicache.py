@@ -48,7 +48,8 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         if self.settings.mode is Mode.EMBEDDED:
             self.embedded = EmbeddedRunner(
                 self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
-                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls)
+                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
+                peers=self.settings.peers)
         self.pages: HostPages | None = None
         self.store: PageStore | None = None
 
@@ -64,7 +65,9 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             self.store.close()
         self.pages = pages
         self.store = PageStore(self.settings.socket, spec, pages.geometry.page_bytes,
-                               identity=identity, timeout_s=self.settings.timeout_s)
+                               identity=identity, timeout_s=self.settings.timeout_s,
+                               peers=self.settings.peers,
+                               fetch_deadline_s=self.settings.fetch_deadline_s)
         log.info("kvcr HiCache backend: %s pages of %d bytes (%s), runner at %s",
                  pages.geometry.layout, pages.geometry.page_bytes, self.settings.mode.value,
                  self.settings.socket.replace("\0", "@"))

@@ -86,10 +86,12 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         if self.settings.mode is Mode.EMBEDDED:
             self.embedded = EmbeddedRunner(
                 self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
-                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls)
+                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
+                peers=self.settings.peers)
         self.store = PageStore(self.settings.socket, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}",
-                               timeout_s=self.settings.timeout_s)
+                               timeout_s=self.settings.timeout_s, peers=self.settings.peers,
+                               fetch_deadline_s=self.settings.fetch_deadline_s)
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self.pending: dict[str, list[PoolTransfer]] = {}
         self._loads: queue.Queue[tuple[int, list[PoolTransfer]] | None] = queue.Queue()

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -29,6 +30,15 @@ from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 log = logging.getLogger("kvcr_sglang")
 
 Segments = Sequence[tuple[int, int]]  # (address, bytes) of one page's pieces, in block order
+
+
+def router_hash(page_key: str) -> int | None:
+    """The block hash routers and SGLang's KV events use for a page: the first 16 hex digits
+    of its page hash, as an unsigned 64-bit int (events send it signed; hints normalise)."""
+    try:
+        return int(page_key[:16], 16) if len(page_key) == 64 else None
+    except ValueError:
+        return None
 
 
 def block_key(page_key: str) -> BlockKey:
@@ -44,12 +54,13 @@ def block_key(page_key: str) -> BlockKey:
 class PageStoreStats:
     """Plain counters (read by `get_stats()` and the benchmark); updated under the GIL."""
 
-    __slots__ = ("failures", "hit_pages", "lookups", "miss_pages", "read_pages",
-                 "stored_pages")
+    __slots__ = ("failures", "hinted_fetched_pages", "hinted_fetches", "hit_pages", "lookups",
+                 "miss_pages", "read_pages", "stored_pages")
 
     def __init__(self) -> None:
         self.lookups = self.hit_pages = self.miss_pages = 0
         self.stored_pages = self.read_pages = self.failures = 0
+        self.hinted_fetches = self.hinted_fetched_pages = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -57,8 +68,11 @@ class PageStoreStats:
 
 class PageStore:
     def __init__(self, socket_path: str, spec: NamespaceSpec, block_bytes: int, *,
-                 identity: str, timeout_s: float) -> None:
+                 identity: str, timeout_s: float, peers: frozenset[str] = frozenset(),
+                 fetch_deadline_s: float = 2.0) -> None:
         self.spec = spec
+        self.peers = peers
+        self.fetch_deadline_s = fetch_deadline_s
         self.block_bytes = block_bytes
         self.client = GuardClient(socket_path, spec, block_bytes, identity=identity,
                                   timeout_s=timeout_s)
@@ -74,14 +88,49 @@ class PageStore:
         if not page_keys:
             return 0
         self.stats.lookups += 1
+        keys = [block_key(k) for k in page_keys]
         try:
-            hits = self.client.lookup([block_key(k) for k in page_keys])
+            hits = self.client.lookup(keys)
+            if hits < len(keys) and self.peers:
+                hits = self._fetch_hinted(page_keys, keys, hits)
         except GuardUnavailable as exc:
             self._fault("lookup", exc)
             hits = 0
         self.stats.hit_pages += hits
         self.stats.miss_pages += len(page_keys) - hits
         return hits
+
+    def _fetch_hinted(self, page_keys: Sequence[str], keys: list[BlockKey], hits: int) -> int:
+        """Pages missed here that a posted hint says a peer holds: the Runner fetches the
+        hinted run right after the local prefix (never across a hole), then looks again.
+        Runs in SGLang's prefetch thread, bounded by `fetch_deadline_s`."""
+        hashes: list[int] = []
+        for page_key in page_keys[hits:]:
+            h = router_hash(page_key)
+            if h is None:
+                break
+            hashes.append(h)
+        sources = self.client.hint_sources(hashes) if hashes else []
+        if not sources or sources[0] is None or sources[0] not in self.peers:
+            return hits
+        run = 1
+        while run < len(sources) and sources[run] == sources[0]:
+            run += 1
+        try:
+            ticket = self.client.peer_fetch(sources[0], keys[hits:hits + run],
+                                            self.fetch_deadline_s)
+        except GuardUnavailable as exc:  # e.g. the daemon does not list this peer (--peer)
+            self._fault("hinted_fetch", exc)
+            return hits
+        self.stats.hinted_fetches += 1
+        give_up = time.monotonic() + self.fetch_deadline_s + 1.0
+        while time.monotonic() < give_up:
+            outcome = self.client.peer_poll(ticket)
+            if outcome.done:
+                self.stats.hinted_fetched_pages += outcome.statuses.count("ok")
+                break
+            time.sleep(0.002)
+        return self.client.lookup(keys)
 
     def present(self, page_keys: Sequence[str]) -> list[bool]:
         try:

@@ -378,6 +378,19 @@ class GuardClient:
         assert isinstance(result, p.Count)
         return result.n
 
+    def post_hint(self, envelope: str) -> int:
+        """Posts a KV hint for requests to come (the daemon's `HintBoard`); returns the block
+        hashes it remembered (0: rejected, and counted in kvcr_hints_total)."""
+        result = self._one(p.PostHint(envelope))
+        assert isinstance(result, p.Count)
+        return result.n
+
+    def hint_sources(self, hashes: Sequence[int]) -> list[str | None]:
+        """The hinted source endpoint of each router hash (None: no live hint)."""
+        result = self._one(p.HintSources(list(hashes)))
+        assert isinstance(result, p.Sources)
+        return [result.endpoints[i] if i >= 0 else None for i in result.index]
+
     def stats(self) -> p.PoolStats:
         result = self._one(p.Stats())
         assert isinstance(result, p.PoolStats)

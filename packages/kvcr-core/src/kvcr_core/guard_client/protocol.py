@@ -96,6 +96,19 @@ class Clear(_Msg, tag="clear"):
     """Drop every READY, unleased block of the namespace (SGLang's storage `clear`)."""
 
 
+class PostHint(_Msg, tag="post_hint"):
+    """A KV hint for requests still to come (the Runner's `HintBoard`); answered by Count."""
+
+    envelope: Annotated[str, msgspec.Meta(max_length=1 << 20)]
+
+
+class HintSources(_Msg, tag="hint_sources"):
+    """Which posted hint names a source for each router hash; answered by `Sources`."""
+
+    hashes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                      msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
+
+
 class PeerFetch(_Msg, tag="peer_fetch"):
     """Ask the daemon to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
 
@@ -108,8 +121,8 @@ class PeerPoll(_Msg, tag="peer_poll"):
     ticket: int
 
 
-Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear | PeerFetch
-      | PeerPoll)
+Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
+      | PostHint | HintSources | PeerFetch | PeerPoll)
 
 
 class Request(_Msg, tag="request"):
@@ -178,12 +191,19 @@ class FetchOutcome(_Msg, tag="fetch_outcome"):
     statuses: list[str]  # per key, FetchStatus values, once done
 
 
+class Sources(_Msg, tag="sources"):
+    """`index[i]`: position in `endpoints` of hash i's hinted source, or -1."""
+
+    endpoints: list[str]
+    index: list[int]
+
+
 class Refused(_Msg, tag="refused"):
     reason: str
     detail: str
 
 
-Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Refused
+Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Refused
 
 
 class Reply(_Msg, tag="reply"):
@@ -231,5 +251,5 @@ def decode_daemon(payload: bytes | bytearray | memoryview
 
 
 def op_key_count(op: Op) -> int:
-    keys = getattr(op, "keys", None)
+    keys = getattr(op, "keys", None) or getattr(op, "hashes", None)
     return 0 if keys is None else len(keys)

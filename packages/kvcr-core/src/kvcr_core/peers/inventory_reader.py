@@ -1,4 +1,5 @@
-"""`InventoryReader`: what a router uses to follow one runner's stored/removed blocks.
+"""`InventoryReader`: what a router uses to follow one runner's stored/removed blocks (and to
+post it KV hints ahead of requests, `post_hint`).
 
 Connects to the runner's peer endpoint with the shared secret (as an inventory-only peer),
 then `poll()` returns the batches after the last one seen, and whether the reader fell
@@ -52,6 +53,22 @@ class InventoryReader:
         elif reply.reset:
             self.since = reply.last_seq
         return reply.reset, batches
+
+    def post_hint(self, envelope: str) -> int:
+        """Posts a KV hint to the runner (its `HintBoard`, for engines such as SGLang that do not
+        pass hints to their cache plug-in); returns the block hashes it remembered."""
+        sock = self._sock or self._connect()
+        try:
+            sock.sendall(pp.encode(pp.PostHint(envelope)))
+            reply = pp.decode_to_client(recv_frame(sock)[0])
+            if isinstance(reply, pp.Refused):
+                raise PeerRefused(reply.reason, reply.detail)
+            if not isinstance(reply, pp.HintPosted):
+                raise FrameError("expected HintPosted")
+        except BaseException:
+            self.close()
+            raise
+        return reply.hashes
 
     def close(self) -> None:
         if self._sock is not None:

@@ -97,6 +97,16 @@ class InventoryReply(_Msg, tag="inventory_reply"):
     batches: list[InventoryBatchMsg]
 
 
+class PostHint(_Msg, tag="post_hint"):
+    """A KV hint for requests still to come on this runner's engines (a router's push)."""
+
+    envelope: Annotated[str, msgspec.Meta(max_length=1 << 20)]
+
+
+class HintPosted(_Msg, tag="hint_posted"):
+    hashes: int  # block hashes remembered (0: rejected; counted in kvcr_hints_total)
+
+
 class RefuseReason(enum.Enum):
     """Why a peer connection was refused (bounded metrics label)."""
 
@@ -107,8 +117,8 @@ class RefuseReason(enum.Enum):
     BUSY = "busy"
 
 
-ToServer = Hello | Auth | Fetch | Inventory
-ToClient = Challenge | Ready | Refused | Blocks | InventoryReply
+ToServer = Hello | Auth | Fetch | Inventory | PostHint
+ToClient = Challenge | Ready | Refused | Blocks | InventoryReply | HintPosted
 
 _encoder = msgspec.msgpack.Encoder()
 _server_decoder = msgspec.msgpack.Decoder(ToServer)
@@ -119,12 +129,12 @@ def encode(message: _Msg) -> bytes:
     return frame(_encoder.encode(message))
 
 
-def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch | Inventory:
+def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch | Inventory | PostHint:
     return _server_decoder.decode(payload)
 
 
 def decode_to_client(payload: bytes | bytearray
-                     ) -> Challenge | Ready | Refused | Blocks | InventoryReply:
+                     ) -> Challenge | Ready | Refused | Blocks | InventoryReply | HintPosted:
     return _client_decoder.decode(payload)
 
 

@@ -107,10 +107,12 @@ class PeerServer:
                 message = pp.decode_to_server(payload)
                 if isinstance(message, pp.Inventory):
                     self._inventory(conn, message)
+                elif isinstance(message, pp.PostHint):
+                    conn.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
                 elif isinstance(message, pp.Fetch) and store is not None:
                     self._fetch(conn, store, message, owner)
                 else:
-                    raise _Refuse(RefuseReason.MALFORMED, "expected Fetch or Inventory")
+                    raise _Refuse(RefuseReason.MALFORMED, "expected Fetch, Inventory or PostHint")
         except _Refuse as exc:
             self._refuse(conn, exc.reason, exc.detail)
         except (msgspec.MsgspecError, FrameError) as exc:
