@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
                         help="Mooncake-style trace: timestamp, input_length, output_length, "
                              "hash_ids per line")
     p.add_argument("--requests", type=int, help="requests per workload (default: 4000; "
-                   "--sweep 2000, --quick 800; --bench 4000, --quick 1200)")
+                   "--sweep 2000, --quick 800; --bench 4000, --quick 2000)")
     p.add_argument("--rate-per-worker", type=float, metavar="REQ_PER_S",
                    help="arrival rate per worker (default: the workload's preset)")
     p.add_argument("--tenants", type=int, help="tenants of multi-tenant and bursty (128)")

@@ -1,9 +1,11 @@
 """What a simulated run measured, and how it is printed.
 
-`RunStats` condenses one run (one policy on one workload): where prompt blocks came from
-(shares of all prompt blocks: device, own pool, fetched from a peer), TTFT percentiles
-(nearest rank), and load imbalance = max over mean of the requests each worker received
-(`busy_imbalance`: the same over the ms each prefill lane was busy). `format_table` renders
+`RunStats` condenses one run (one policy on one workload) over its measured requests: all but
+the first `WARMUP_SHARE` in arrival order, which fill the empty caches (the same requests for
+every policy). It gives where prompt blocks came from (shares of all prompt blocks: device,
+own pool, fetched from a peer), TTFT percentiles (nearest rank), and load imbalance = max over
+mean of the measured requests each worker received (`busy_imbalance`: the same over the ms
+their prefills held each worker's lane). `format_table` renders
 rows as a fixed-width table; `format_summary` renders a bench summary against its targets.
 Pure functions.
 """
@@ -18,6 +20,8 @@ from typing import Any
 from kvcr_router.simulate.simulation import RunResult
 
 Targets = Mapping[str, tuple[str, float]]  # name -> (">=" or "<=", bound)
+
+WARMUP_SHARE = 0.25
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -54,10 +58,16 @@ class RunStats:
         return dataclasses.asdict(self)
 
 
-def summarize(workload: str, result: RunResult) -> RunStats:
-    outcomes = result.outcomes
+def summarize(workload: str, result: RunResult,
+              warmup_share: float = WARMUP_SHARE) -> RunStats:
+    outcomes = result.outcomes[int(len(result.outcomes) * warmup_share):]
     blocks = sum(o.prompt_blocks for o in outcomes) or 1
     ttft = [o.ttft_ms for o in outcomes]
+    requests = dict.fromkeys(result.requests_by_worker, 0.0)
+    busy_ms = dict.fromkeys(result.requests_by_worker, 0.0)
+    for o in outcomes:
+        requests[o.worker] += 1
+        busy_ms[o.worker] += o.service_ms
     return RunStats(
         workload=workload, policy=result.policy.value, requests=len(outcomes),
         device_hit=sum(o.coverage.device_blocks for o in outcomes) / blocks,
@@ -66,8 +76,8 @@ def summarize(workload: str, result: RunResult) -> RunStats:
         ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90),
         ttft_p99_ms=percentile(ttft, 99), ttft_mean_ms=sum(ttft) / max(1, len(ttft)),
         queue_p90_ms=percentile([o.queue_ms for o in outcomes], 90),
-        load_imbalance=_imbalance(list(result.requests_by_worker.values())),
-        busy_imbalance=_imbalance(list(result.busy_ms_by_worker.values())))
+        load_imbalance=_imbalance(list(requests.values())),
+        busy_imbalance=_imbalance(list(busy_ms.values())))
 
 
 def format_table(rows: Sequence[RunStats]) -> str:

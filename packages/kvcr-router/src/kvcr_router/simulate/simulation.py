@@ -54,6 +54,7 @@ class Outcome:
     worker: str
     ttft_ms: float
     queue_ms: float
+    service_ms: float  # how long it held its worker's prefill lane
     prompt_blocks: int
     coverage: Coverage
 
@@ -141,8 +142,8 @@ class Simulation:
         worker.busy_ms += service_ms
         done_ms = self.now_ms + service_ms
         self._outcomes[job.index] = Outcome(worker.name, done_ms - job.arrival_ms,
-                                            self.now_ms - job.arrival_ms, len(job.hashes),
-                                            coverage)
+                                            self.now_ms - job.arrival_ms, service_ms,
+                                            len(job.hashes), coverage)
         self._schedule(done_ms, _PREFILL_DONE, worker, job)
 
     def _prefill_done(self, worker: SimWorker, job: Job) -> None:

@@ -33,8 +33,8 @@ MAX_IMBALANCE_RATIO = 1.1
 # What `--sweep` recommended on the bench's three workloads at seed 1 (the bench replays
 # seed 0, so these were not fitted to the requests they are judged on); docs/router-simulator.md
 # has the run. The bench's kvcr policy uses these for every workload.
-TUNED_WEIGHTS = CostWeights(device_w=1.0, pool_w=0.75, fetch_w=0.5, prefill_scale=1.0,
-                            decode_w=1.0, active_w=0.0, temperature=0.0, min_fetch_blocks=4)
+TUNED_WEIGHTS = CostWeights(device_w=1.0, pool_w=1.0, fetch_w=0.25, prefill_scale=1.0,
+                            decode_w=0.25, active_w=0.0, temperature=0.0, min_fetch_blocks=4)
 
 
 @dataclasses.dataclass(frozen=True)
