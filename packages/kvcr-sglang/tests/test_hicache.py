@@ -270,3 +270,56 @@ def test_random_backend_failures_never_serve_a_corrupted_page(
         assert checked > 0
     finally:
         stop(ctrl)
+
+
+def test_v2_hybrid_pools_round_trip_and_apply_sglang_hit_policies() -> None:
+    """Risk: hybrid models (KV plus a Mamba state pool, SGLang's v2 interface) restore a
+    prefix whose side state is missing, or restore side state permuted."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    ctrl, host = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB",
+                                    "kvcr": {"namespace_pool_bytes": "48MiB"}})
+    try:
+        backend = ctrl.storage_backend
+        g = torch.Generator().manual_seed(4)
+        info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8),
+                                    conv=(torch.zeros(2, 9, 3, 5),))
+        mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False,
+                              layout="page_first")
+        backend.register_mem_host_pool_v2(host, PoolName.KV)
+        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        for slot in (1, 2):
+            flat = mamba.get_dummy_flat_data_page()
+            mamba.set_from_flat_data_page(slot, torch.randn(flat.shape, generator=g))
+        states = [mamba.get_data_page(s, flat=True).clone() for s in (1, 2)]
+        keys = cpu_rig.page_keys(tokens(4, 12), SHAPE.page_tokens)
+        cpu_rig.fill_pages(host, 1, 4, seed=12)
+        want_kv = cpu_rig.page_bytes(host, 1, 4)
+        done = backend.batch_set_v2([
+            PoolTransfer(name=PoolName.KV, host_indices=indices(1, 4), keys=keys),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1, 2]),
+                         keys=[keys[1], keys[3]])])
+        assert done == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True, True]}
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=[keys[3]],
+                                hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        result = backend.batch_exists_v2(keys, [trailing])
+        assert result.restorable_prefix_pages == [2, 4] and result.kv_hit_pages == 4
+        every = PoolTransfer(name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)
+        assert backend.batch_exists_v2(keys, [every]).kv_hit_pages == 0
+
+        cpu_rig.zero_pages(host, 10, 4)
+        for s in (5, 6):
+            mamba.set_from_flat_data_page(s, mamba.get_dummy_flat_data_page())
+        got = backend.batch_get_v2([
+            PoolTransfer(name=PoolName.KV, host_indices=indices(10, 4), keys=keys),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5, 6]),
+                         keys=[keys[1], keys[3]])])
+        assert got == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True, True]}
+        assert cpu_rig.page_bytes(host, 10, 4) == want_kv
+        assert all(torch.equal(mamba.get_data_page(s, flat=True), want)
+                   for s, want in zip((5, 6), states, strict=True))
+        assert backend.batch_get_v1(keys, indices(20, 4)) == [True] * 4  # v1 sees v2's KV
+    finally:
+        stop(ctrl)

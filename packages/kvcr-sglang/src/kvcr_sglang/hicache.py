@@ -19,6 +19,7 @@ in concurrently; `PageStore` is thread-safe. Faults are misses (SGLang recompute
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -29,6 +30,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from kvcr_sglang.hostpool import HostPages
@@ -52,6 +57,7 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
                 peers=self.settings.peers)
         self.pages: HostPages | None = None
         self.store: PageStore | None = None
+        self.side: dict[str, tuple[Any, PageStore]] = {}  # v2 pools by name
 
     # -- registration --------------------------------------------------------------------------
 
@@ -71,6 +77,36 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         log.info("kvcr HiCache backend: %s pages of %d bytes (%s), runner at %s",
                  pages.geometry.layout, pages.geometry.page_bytes, self.settings.mode.value,
                  self.settings.socket.replace("\0", "@"))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        old = self.side.pop(str(host_pool_name), None)
+        if old is not None and old[1] is not self.store:
+            old[1].close()
+
+    def _pool(self, name: Any) -> tuple[Any, PageStore]:
+        """A v2 pool's host pool and store (KV shares the v1 store: same bytes per page)."""
+        key = str(name)
+        found = self.side.get(key)
+        if found is not None:
+            return found
+        pages, store = self._ready()
+        pool = getattr(self, "registered_pools", {}).get(name)
+        if key == PoolName.KV.value and (pool is None or pool is pages.pool):
+            found = (pages.pool, store)
+        elif pool is None:
+            raise KeyError(f"SGLang registered no host pool named {key!r}")
+        else:
+            page_bytes = int(pool.get_dummy_flat_data_page().numel() *
+                             pool.get_dummy_flat_data_page().element_size())
+            spec = dataclasses.replace(store.spec, extra={
+                **store.spec.extra, "pool": key, "pool_kind": type(pool).__name__,
+                "page_bytes": str(page_bytes)})
+            found = (pool, PageStore(self.settings.socket, spec, page_bytes,
+                                     identity=f"{store.client.identity}-{key}",
+                                     timeout_s=self.settings.timeout_s))
+        self.side[key] = found
+        return found
 
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:
@@ -121,6 +157,80 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             target_sizes: Any = None) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
+    # -- v2 (hybrid models: KV plus side pools such as Mamba / SWA state) -----------------------
+
+    def _offsets(self, pool: Any, transfer: PoolTransfer) -> list[int] | None:
+        keys, page = transfer.keys or [], int(getattr(pool, "page_size", 1) or 1)
+        indices = transfer.host_indices
+        if indices is None or indices.numel() != len(keys) * page:
+            log.error("kvcr v2 %s: %s host indices for %d pages of %d tokens", transfer.name,
+                      None if indices is None else indices.numel(), len(keys), page)
+            return None
+        return [int(indices[i * page]) for i in range(len(keys))]
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            pool, store = self._pool(transfer.name)
+            offsets = self._offsets(pool, transfer)
+            if offsets is None:
+                results[transfer.name] = [False] * len(keys)
+            elif not self.is_writer:
+                results[transfer.name] = [True] * len(keys)
+            else:
+                flat = [pool.get_data_page(o, flat=True).contiguous() for o in offsets]
+                results[transfer.name] = store.write(keys, HostPages.tensor_segments(flat))
+        return results
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            keys = list(transfer.keys or [])
+            pool, store = self._pool(transfer.name)
+            offsets = self._offsets(pool, transfer)
+            if offsets is None:
+                results[transfer.name] = [False] * len(keys)
+                continue
+            targets = [pool.get_dummy_flat_data_page() for _ in keys]
+            filled = store.read(keys, HostPages.tensor_segments(targets))
+            for offset, target, ok in zip(offsets, targets, filled, strict=True):
+                if ok:
+                    pool.set_from_flat_data_page(offset, target)
+            results[transfer.name] = filled
+        return results
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None,
+                        ) -> PoolTransferResult:
+        """SGLang's v2 rule: the KV prefix, cut to the lengths at which every side pool
+        satisfies its hit policy (all pages, or a trailing window ending there)."""
+        _, store = self._ready()
+        kv_pages = store.prefix_hits(keys)
+        hit_count: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            have = self._pool(transfer.name)[1].present(keys[:kv_pages])
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = next((i for i, ok in enumerate(have) if not ok), kv_pages)
+                allowed = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()))
+                allowed = {n for n in range(1, kv_pages + 1)
+                           if all(have[max(0, n - window):n])}
+            else:
+                raise ValueError(f"kvcr supports the all_pages and trailing_pages hit policies, "
+                                 f"not {transfer.hit_policy} (pool {transfer.name})")
+            if allowed:
+                hit_count[transfer.name] = max(allowed)
+            restorable &= allowed
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+
     # -- queries -------------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
@@ -140,6 +250,10 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             self.store.clear()
 
     def close(self) -> None:
+        for _, store in self.side.values():
+            if store is not self.store:
+                store.close()
+        self.side.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
