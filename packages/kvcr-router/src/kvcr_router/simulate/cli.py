@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcr_core.errors import ConfigError
@@ -88,7 +89,7 @@ def _fleet(args: argparse.Namespace) -> FleetConfig:
 def _streams(args: argparse.Namespace, fleet: FleetConfig,
              count: int) -> dict[str, list[SimRequest]]:
     if args.trace:
-        return {args.trace: read_trace(args.trace)}
+        return {Path(args.trace).name: read_trace(args.trace)}
     kinds = [WorkloadKind(args.workload)] if args.workload else (
         list(WorkloadKind) if args.sweep else [WorkloadKind.MULTI_TENANT])
     out = {}
