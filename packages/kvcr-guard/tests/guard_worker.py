@@ -66,6 +66,8 @@ def main() -> None:
         say(leased=lease.granted)
         time.sleep(3600)
     elif mode == "soak":  # seed, seconds: random stores and verified reads on shared prompts
+        with open(f"{socket_path}.attached.{args[0]}", "w"):
+            pass  # the test kills only workers the daemon has seen attach
         soak(client, random.Random(args[0]), args[1])
     client.close()
 

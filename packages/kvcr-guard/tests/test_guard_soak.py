@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -26,8 +27,9 @@ def test_soak_with_kills_has_no_corruption_leaks_or_growth(short_tmp, harness) -
     guard = harness.Guard(short_tmp, "--namespace-pool-bytes", "4MiB").start()  # forces eviction
     rng = random.Random(2026)
     end = time.monotonic() + SOAK_S
+    seeds = list(range(CLIENTS))
     workers: list[subprocess.Popen[str]] = [
-        harness.start_worker(guard, "soak", seed, SOAK_S) for seed in range(CLIENTS)]
+        harness.start_worker(guard, "soak", seed, SOAK_S) for seed in seeds]
     finished: list[subprocess.Popen[str]] = []
     kills = 0
     rss_warm = None
@@ -38,11 +40,14 @@ def test_soak_with_kills_has_no_corruption_leaks_or_growth(short_tmp, harness) -
         for w in workers:
             assert w.poll() in (None, 0), f"worker exited {w.returncode}: {w.stderr.read()}"
         victim = rng.randrange(CLIENTS)
+        if not os.path.exists(f"{guard.socket}.attached.{seeds[victim]}"):
+            continue  # still starting (a loaded machine): a kill now would test nothing
         workers[victim].send_signal(signal.SIGKILL)
         workers[victim].wait(timeout=10)
         kills += 1
         left = max(1, int(end - time.monotonic()))
-        workers[victim] = harness.start_worker(guard, "soak", 100 + kills, left)
+        seeds[victim] = 100 + kills
+        workers[victim] = harness.start_worker(guard, "soak", seeds[victim], left)
     finished = workers
     reports = []
     for w in finished:

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.timeout(900)  # the demo's own limit: a loaded machine must not fail it early
 def test_demo_quick_reuses_kv_across_engines_and_writes_the_chart(tmp_path: Path) -> None:
     """Two vLLM servers + kvcr-guard: the second engine reuses the first one's prompt KV
     (counted by vLLM's external hit metric), nothing fails, and the chart is written."""

@@ -15,6 +15,9 @@ slots. `offload` queues pages for the offload thread (reserve + copy + commit, a
 results come back in order through `pop_completed_offload`. Full-attention KV only (the
 `KV` pool); plain MHA models get their pool view from SGLang's own `DevicePoolEntry`.
 Threads: SGLang's scheduler thread calls in; one load thread and one offload thread copy.
+Copies are tensor copies between the device pool's page rows and the mapped kvcr pool, so the
+same code runs on CPU pools and on CUDA (there on a side stream, synchronised before a layer
+is reported done; offloads first wait for SGLang's `record_offload_ready` events).
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
             tp_rank = torch.distributed.get_rank(group=group)
             tp_size = torch.distributed.get_world_size(group=group)
         self.offload_owner = not replicated or tp_rank == 0
-        self.layer_bytes = int(self.entry.buffer_meta[0][0][2])  # one page of one K (or V) layer
+        k0 = kvcache.k_buffer[0]
+        self.layer_bytes = int(k0[0].numel() * k0.element_size()) * self.page_tokens
         spec = self._namespace(kvcache, params, replicated, tp_rank, tp_size)
         self.embedded: EmbeddedRunner | None = None
         if self.settings.mode is Mode.EMBEDDED:
@@ -93,9 +97,14 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
                                timeout_s=self.settings.timeout_s, peers=self.settings.peers,
                                fetch_deadline_s=self.settings.fetch_deadline_s)
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        self._pool_view: tuple[int, torch.Tensor] | None = None
+        device = kvcache.k_buffer[0].device
+        self._stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                        if device.type == "cuda" else None)
         self.pending: dict[str, list[PoolTransfer]] = {}
         self._loads: queue.Queue[tuple[int, list[PoolTransfer]] | None] = queue.Queue()
-        self._offloads: queue.Queue[list[PoolTransfer] | None] = queue.Queue()
+        self._offloads: queue.Queue[tuple[list[PoolTransfer], list[Any]] | None] = (
+            queue.Queue())
         self._offload_results: queue.Queue[bool] = queue.Queue()
         self._threads = [threading.Thread(target=self._load_loop, daemon=True,
                                           name=f"kvcr-linker-load-tp{tp_rank}"),
@@ -150,6 +159,27 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return bool(self.layer_done_counter.finish(counter_index))
 
+    def _pool_bytes(self) -> torch.Tensor:
+        """The kvcr pool as one uint8 tensor (a view of the mapping; renewed on re-attach)."""
+        client = self.store.client
+        pool = client.pool
+        if self._pool_view is None or self._pool_view[0] != client.attach_count:
+            self._pool_view = (client.attach_count,
+                               torch.frombuffer(pool.region.view, dtype=torch.uint8))
+        return self._pool_view[1]
+
+    def _page_views(self, transfer: PoolTransfer) -> list[list[torch.Tensor]]:
+        """Per page: the byte views of its K rows of every layer, then its V rows (block order),
+        on the pool's device (CPU here, GPU memory in production)."""
+        indices = self._device_indices(transfer)
+        kvcache = self.entry.device_pool
+        buffers = [*kvcache.k_buffer, *kvcache.v_buffer]
+        views = []
+        for start in indices[::self.page_tokens].tolist():
+            views.append([b[start:start + self.page_tokens].view(torch.uint8).reshape(-1)
+                          for b in buffers])
+        return views
+
     def _load_loop(self) -> None:
         while (task := self._loads.get()) is not None:
             index, batch = task
@@ -161,9 +191,7 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
                     if leased is None:
                         raise LookupError(f"{len(transfer.keys)} pages are no longer in kvcr")
                     leases.append(leased)
-                    ptrs, _ = self.entry.get_page_buffer_meta(
-                        self._device_indices(transfer))
-                    plans.append((leased[1], ptrs))
+                    plans.append((leased[1], self._page_views(transfer)))
                 self._copy_layers(index, plans)
             except BaseException as exc:
                 log.warning("kvcr linker load failed (%s); SGLang aborts those requests", exc)
@@ -172,16 +200,19 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
                 for op, slots in leases:
                     self.store.unlease(op, len(slots))
 
-    def _copy_layers(self, index: int, plans: list[tuple[list[int], list[int]]]) -> None:
-        import ctypes
-
+    def _copy_layers(self, index: int, plans: list[tuple[list[int], list[list[torch.Tensor]]]]
+                     ) -> None:
+        """Layer by layer, so the forward starts on layer 0 while later layers still load."""
+        pool = self._pool_bytes()
         n, size = self.num_layers, self.layer_bytes
         for layer in range(n):
-            for slots, ptrs in plans:  # ptrs: per page, K of each layer then V of each layer
-                for page, slot in enumerate(slots):
-                    base = page * 2 * n
-                    ctypes.memmove(ptrs[base + layer], slot + layer * size, size)
-                    ctypes.memmove(ptrs[base + n + layer], slot + (n + layer) * size, size)
+            with self._on_copy_stream():
+                for offsets, pages in plans:
+                    for offset, views in zip(offsets, pages, strict=True):
+                        for part in (layer, n + layer):  # K, then V of this layer
+                            start = offset + part * size
+                            views[part].copy_(pool[start:start + size], non_blocking=True)
+            self._sync_copy_stream()
             self.layer_done_counter.complete(index, layer)
 
     def _device_indices(self, transfer: PoolTransfer) -> torch.Tensor:
@@ -189,30 +220,65 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
             transfer.host_indices)
         if indices is None:
             raise ValueError("a KV transfer without device indices")
-        result: torch.Tensor = indices[: len(transfer.keys) * self.page_tokens]
+        result: torch.Tensor = indices[: len(transfer.keys) * self.page_tokens].cpu()
         return result
+
+    def _on_copy_stream(self) -> Any:
+        import contextlib
+
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _sync_copy_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
 
     # -- offload -------------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         kv = [t for t in transfers if t.name == PoolName.KV and t.keys]
-        self._offloads.put(kv)
+        ready = self.record_offload_ready() if self._stream is not None else []
+        self._offloads.put((kv, ready))
         return True
 
     def _offload_loop(self) -> None:
-        while (batch := self._offloads.get()) is not None:
+        while (task := self._offloads.get()) is not None:
+            batch, ready = task
             ok = True
             try:
+                for event in ready:  # the forward finished writing these pages
+                    event.synchronize()
                 for transfer in batch if self.offload_owner else []:
-                    ptrs, sizes = self.entry.get_page_buffer_meta(self._device_indices(transfer))
-                    per_page = 2 * self.num_layers
-                    pages = [list(zip(ptrs[i:i + per_page], sizes[i:i + per_page], strict=True))
-                             for i in range(0, len(ptrs), per_page)]
-                    ok = all(self.store.write(list(transfer.keys), pages)) and ok
+                    ok = self._offload_one(transfer) and ok
             except Exception as exc:
                 log.warning("kvcr linker offload failed (%s)", exc)
                 ok = False
             self._offload_results.put(ok)
+
+    def _offload_one(self, transfer: PoolTransfer) -> bool:
+        keys = list(transfer.keys)
+        reserved = self.store.reserve(keys)
+        if reserved is None:
+            return False
+        op, offsets, refused = reserved
+        pool = self._pool_bytes()
+        size = self.layer_bytes
+        granted = 0
+        try:
+            with self._on_copy_stream():
+                for offset, views in zip(offsets, self._page_views(transfer), strict=True):
+                    if offset is None:
+                        continue
+                    granted += 1
+                    for part, view in enumerate(views):
+                        start = offset + part * size
+                        pool[start:start + size].copy_(view, non_blocking=True)
+            self._sync_copy_stream()
+        except BaseException:
+            self.store.abort(op)
+            raise
+        return self.store.commit(op, granted) and refused == 0
 
     def num_completed_offloads(self) -> int:
         return self._offload_results.qsize()

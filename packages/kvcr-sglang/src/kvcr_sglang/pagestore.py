@@ -144,32 +144,28 @@ class PageStore:
     def write(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         """Stores every page not already present; True where the page is (or is being) kept."""
         n = len(page_keys)
-        if not n:
-            return []
+        reserved = self.reserve(page_keys) if n else None
+        if reserved is None:
+            return [False] * n
+        op, offsets, refused = reserved
+        granted = 0
         try:
-            res = self.client.reserve([block_key(k) for k in page_keys])
             base = self._pool_address()
-            stride = self.client.pool.stride_bytes
-            try:
-                for slot, segments in zip(res.slots, pages, strict=True):
-                    if slot is not None:
-                        self._copy_in(base + slot * stride, segments)
-            except BaseException:
-                self.client.abort(res.op)
-                raise
-            published = self.client.commit(res.op)
-        except GuardUnavailable as exc:
+            for offset, segments in zip(offsets, pages, strict=True):
+                if offset is not None:
+                    self._copy_in(base + offset, segments)
+                    granted += 1
+        except (GuardUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
+            self.abort(op)
             self._fault("store", exc)
             return [False] * n
-        except ValueError as exc:  # a page whose size is not the namespace's block size
-            self._fault("page_size", exc)
-            return [False] * n
-        if published < res.granted:  # the op was reclaimed: nothing of it is trusted
+        except BaseException:
+            self.abort(op)
+            raise
+        if not self.commit(op, granted):  # the op was reclaimed: nothing of it is trusted
             self.stats.failures += 1
             return [False] * n
-        self.stats.stored_pages += published
-        kept = n - res.refused
-        return [True] * kept + [False] * res.refused
+        return [True] * (n - refused) + [False] * refused
 
     def read(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         """Copies the longest READY prefix into `pages`; True for each page filled."""
@@ -200,19 +196,43 @@ class PageStore:
         return filled
 
     def lease(self, page_keys: Sequence[str]) -> tuple[int, list[int]] | None:
-        """Leases the pages (all of them or none): (op, slot addresses); None on a miss or a
-        fault. The caller copies out at its own pace (layer by layer) and then `unlease`s."""
+        """Leases the pages (all of them or none): (op, byte offsets of their slots in the
+        pool region); None on a miss or a fault. The caller copies out at its own pace (layer
+        by layer) and then `unlease`s."""
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys])
             if lease.granted < len(page_keys):
                 self.client.release_nowait(lease.op)
                 return None
-            base = self._pool_address()
             stride = self.client.pool.stride_bytes
         except GuardUnavailable as exc:
             self._fault("read", exc)
             return None
-        return lease.op, [base + int(slot) * stride for slot in lease.slots if slot is not None]
+        return lease.op, [int(slot) * stride for slot in lease.slots if slot is not None]
+
+    def reserve(self, page_keys: Sequence[str]) -> tuple[int, list[int | None], int] | None:
+        """Slots to fill for pages not yet kept: (op, byte offset per page or None when
+        already kept, pages refused); `commit` after copying every granted page."""
+        try:
+            res = self.client.reserve([block_key(k) for k in page_keys])
+            stride = self.client.pool.stride_bytes
+        except GuardUnavailable as exc:
+            self._fault("store", exc)
+            return None
+        return res.op, [None if s is None else int(s) * stride for s in res.slots], res.refused
+
+    def commit(self, op: int, granted: int) -> bool:
+        try:
+            published = self.client.commit(OpId(op))
+        except GuardUnavailable as exc:
+            self._fault("store", exc)
+            return False
+        self.stats.stored_pages += published
+        return published == granted
+
+    def abort(self, op: int) -> None:
+        with contextlib.suppress(GuardUnavailable):
+            self.client.abort(OpId(op))
 
     def unlease(self, op: int, pages: int) -> None:
         self.stats.read_pages += pages
