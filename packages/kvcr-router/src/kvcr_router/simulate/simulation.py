@@ -70,11 +70,13 @@ class RunResult:
 
 class Simulation:
     def __init__(self, fleet: FleetConfig, policy: Policy,
-                 weights: CostWeights = REFERENCE_WEIGHTS, seed: int = 0) -> None:
+                 weights: CostWeights | None = None, seed: int = 0) -> None:
+        """`weights` (default: the router's defaults) drive the kvcr policy; overlap and
+        overlap-hint always use the reference's."""
         self.fleet = fleet
         self.policy = policy
-        self.weights = REFERENCE_WEIGHTS if policy in (Policy.OVERLAP,
-                                                       Policy.OVERLAP_HINT) else weights
+        self.weights = REFERENCE_WEIGHTS if policy in (Policy.OVERLAP, Policy.OVERLAP_HINT) else (
+            weights or CostWeights())
         self.indexer = BlockIndexer()
         self.workers = {name: SimWorker(name, fleet) for name in fleet.names()}
         self._names = list(self.workers)
