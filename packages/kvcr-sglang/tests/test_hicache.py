@@ -276,20 +276,34 @@ def test_v2_hybrid_pools_round_trip_and_apply_sglang_hit_policies() -> None:
     """Risk: hybrid models (KV plus a Mamba state pool, SGLang's v2 interface) restore a
     prefix whose side state is missing, or restore side state permuted."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    ctrl, host = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB",
-                                    "kvcr": {"namespace_pool_bytes": "48MiB"}})
+    _, dev = cpu_rig.device_pool(SHAPE)
+    host = cpu_rig.host_pool(dev, SHAPE, "page_first")
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="kvcr-tiny", extra_config={**KVCR_EXTRA, "interface_v1": 1,
+                                              "pool_bytes": "64MiB"})
+    # SGLang's hybrid order: build, register the anchor pool, every v2 pool, then finalize.
+    backend = StorageBackendFactory.create_backend("dynamic", config, host)
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8),
+                                conv=(torch.zeros(2, 9, 3, 5),))
+    mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False,
+                          layout="page_first")
+    backend.register_mem_pool_host(host)
+    backend.register_mem_host_pool_v2(host, PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.on_host_pools_registered()
     try:
-        backend = ctrl.storage_backend
         g = torch.Generator().manual_seed(4)
-        info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8),
-                                    conv=(torch.zeros(2, 9, 3, 5),))
-        mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False,
-                              layout="page_first")
-        backend.register_mem_host_pool_v2(host, PoolName.KV)
-        backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
         for slot in (1, 2):
             flat = mamba.get_dummy_flat_data_page()
             mamba.set_from_flat_data_page(slot, torch.randn(flat.shape, generator=g))
@@ -322,4 +336,4 @@ def test_v2_hybrid_pools_round_trip_and_apply_sglang_hit_policies() -> None:
                    for s, want in zip((5, 6), states, strict=True))
         assert backend.batch_get_v1(keys, indices(20, 4)) == [True] * 4  # v1 sees v2's KV
     finally:
-        stop(ctrl)
+        backend.close()

@@ -49,12 +49,7 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         self.storage_config = storage_config
         self.settings = BackendSettings.from_extra_config(storage_config.extra_config)
         self.is_writer = bool(storage_config.is_storage_writer)
-        self.embedded: EmbeddedRunner | None = None
-        if self.settings.mode is Mode.EMBEDDED:
-            self.embedded = EmbeddedRunner(
-                self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
-                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
-                peers=self.settings.peers)
+        self.embedded: EmbeddedRunner | None = None  # started once the pool set is known
         self.pages: HostPages | None = None
         self.store: PageStore | None = None
         self.side: dict[str, tuple[Any, PageStore]] = {}  # v2 pools by name
@@ -108,10 +103,31 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         self.side[key] = found
         return found
 
+    def on_host_pools_registered(self) -> None:
+        self._start_runner()
+
+    def _start_runner(self) -> None:
+        """Embedded mode: the Runner starts when SGLang has registered its host pools (or at
+        first use). With side pools (hybrid models) and no `namespace_pool_bytes` set, the KV
+        namespace gets 7/8 of the pool, so side pools have room by default."""
+        if self.settings.mode is not Mode.EMBEDDED or self.embedded is not None:
+            return
+        runner = self.settings.runner
+        side = [n for n in getattr(self, "registered_pools", {}) if str(n) != PoolName.KV.value]
+        if side and runner.namespace_pool_bytes is None:
+            runner = dataclasses.replace(runner, namespace_pool_bytes=runner.pool_bytes * 7 // 8)
+            log.info("kvcr: side pools %s: KV takes 7/8 of the embedded pool",
+                     ", ".join(map(str, side)))
+        self.embedded = EmbeddedRunner(
+            self.settings.socket, runner, peer_listen=self.settings.peer_listen,
+            peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
+            peers=self.settings.peers)
+
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:
             raise RuntimeError("register_mem_pool_host was not called: SGLang registers the "
                                "host pool right after building the backend")
+        self._start_runner()
         return self.pages, self.store
 
     # -- zero-copy v1 --------------------------------------------------------------------------
