@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -60,6 +61,21 @@ def test_file_and_flags_merge_with_flags_winning(tmp_path: Path) -> None:
     assert cfg.block_size == 32
 
 
+def test_weights_preset_tuned_is_the_simulator_recommendation_and_flags_adjust_it() -> None:
+    """Risk: the documented `--weights-preset tuned` does not give the weights the simulator
+    benchmark measured, or a flag next to it is ignored."""
+    from kvcr_router.simulate.sweep import TUNED_WEIGHTS
+
+    args = build_parser().parse_args(["serve", "--namespace", json.dumps(NS), "--worker",
+                                      "a=http://h:1", "--weights-preset", "tuned",
+                                      "--min-fetch-blocks", "8"])
+    cfg = config_from_args(args)
+    assert cfg.weights == dataclasses.replace(TUNED_WEIGHTS, min_fetch_blocks=8)
+    plain = config_from_args(build_parser().parse_args(
+        ["serve", "--namespace", json.dumps(NS), "--worker", "a=http://h:1"]))
+    assert plain.weights == CostWeights()
+
+
 @pytest.mark.parametrize(("data", "field"), [
     ({"workers": ["a=http://h:1"]}, "namespace"),
     ({"workers": ["a=http://h:1"], "namespace_digest": "00" * 16}, "block_size"),
@@ -70,6 +86,8 @@ def test_file_and_flags_merge_with_flags_winning(tmp_path: Path) -> None:
     ({"workers": ["a=http://h:1"], "namespace": NS, "fetch_w": -1}, "fetch_w"),
     ({"workers": ["a=http://h:1"], "namespace": NS, "read_timeout_s": 0}, "read_timeout_s"),
     ({"workers": ["a=http://h:1"], "namespace": NS, "colour": 1}, "colour"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "weights_preset": "best"},
+     "weights_preset"),
 ])
 def test_bad_settings_name_the_field(data: dict, field: str) -> None:
     """Missing namespace, contradicting block size, duplicate names, bad weights or

@@ -19,7 +19,7 @@ from typing import Any
 from kvcr_core.errors import ConfigError
 from kvcr_router._version import __version__
 from kvcr_router.config import RouterConfig, read_config_file
-from kvcr_router.cost import CostWeights
+from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
 
 log = logging.getLogger("kvcr_router")
 
@@ -63,6 +63,9 @@ def _serve_parser(sub: Any) -> None:
     add("--max-blocks-per-source", type=int,
         help=f"index bound per worker and tier (default {rc['max_blocks_per_source']})")
     weights = serve.add_argument_group("cost weights (docs/router.md)")
+    weights.add_argument("--weights-preset", choices=sorted(WEIGHT_PRESETS),
+                         help="base weights the flags below adjust: reference (default, the "
+                              "reference router's) or tuned (the simulator's recommendation)")
     for field in dataclasses.fields(CostWeights):
         weights.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
                              help=f"{_WEIGHT_HELP[field.name]} (default {field.default})")

@@ -22,7 +22,7 @@ import yaml
 from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.hints import Endpoint
 from kvcr_core.keys import NamespaceSpec
-from kvcr_router.cost import CostWeights
+from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
 MAX_WORKERS = 256
@@ -137,6 +137,10 @@ class RouterConfig:
         data = dict(data)
         weights = {f.name: data.pop(f.name) for f in dataclasses.fields(CostWeights)
                    if data.get(f.name) is not None}
+        preset = data.pop("weights_preset", None) or "reference"
+        if preset not in WEIGHT_PRESETS:
+            raise ConfigError("weights_preset", preset,
+                              f"use one of {', '.join(WEIGHT_PRESETS)}")
         workers = data.pop("workers", None) or []
         if not isinstance(workers, list | tuple):
             raise ConfigError("workers", workers, "give a list of workers")
@@ -161,7 +165,7 @@ class RouterConfig:
                               "unknown field; see `kvcr-router serve --help`")
         return cls(workers=tuple(WorkerSpec.from_mapping(w) for w in workers),
                    namespace_digest=digest, block_size=block_size,
-                   weights=CostWeights(**weights),
+                   weights=dataclasses.replace(WEIGHT_PRESETS[preset], **weights),
                    **{k: v for k, v in data.items() if v is not None})
 
 

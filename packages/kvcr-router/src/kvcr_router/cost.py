@@ -43,6 +43,15 @@ class CostWeights:
                 raise ConfigError(field.name, value, "give a finite number >= 0")
 
 
+# `reference`: the reference router's defaults. `tuned`: the weights `kvcr-router simulate
+# --sweep` recommends (docs/router-simulator.md): full pool credit, balance by requests in
+# flight instead of decode blocks (which pushes requests away from their prefix).
+WEIGHT_PRESETS = {
+    "reference": CostWeights(),
+    "tuned": CostWeights(pool_w=1.0, decode_w=0.0, active_w=16.0),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerLoad:
     decode_blocks: int = 0

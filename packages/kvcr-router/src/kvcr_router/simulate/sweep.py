@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcr_router.cost import CostWeights
+from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
 from kvcr_router.simulate.fleet import FleetConfig
 from kvcr_router.simulate.report import RunStats, summarize
 from kvcr_router.simulate.simulation import Policy, Simulation
@@ -37,8 +37,7 @@ MAX_IMBALANCE_RATIO = 1.1
 # active_w / (1 - fetch_w) orders those choices: fetch_w 0.5 with active_w 16 scores the same
 # and keeps the documented fetch credit. The bench's kvcr policy uses these for every workload;
 # docs/router-simulator.md has the runs.
-TUNED_WEIGHTS = CostWeights(device_w=1.0, pool_w=1.0, fetch_w=0.5, prefill_scale=1.0,
-                            decode_w=0.0, active_w=16.0, temperature=0.0, min_fetch_blocks=4)
+TUNED_WEIGHTS = WEIGHT_PRESETS["tuned"]
 
 
 @dataclasses.dataclass(frozen=True)
