@@ -148,7 +148,13 @@ def test_real_controller_threads_back_up_and_prefetch_through_kvcr() -> None:
                 break
         assert completed == n * SHAPE.page_tokens
         assert cpu_rig.page_bytes(host, 20, n) == want
-        assert ctrl.storage_backend.get_stats()["read_pages"] == n
+        assert ctrl.storage_backend.kvcr_stats()["read_pages"] == n
+        # SGLang's --enable-storage-metrics: per-call pages and bandwidth, drained per call
+        metrics = ctrl.storage_backend.get_stats()
+        assert type(metrics).__name__ == "StorageMetrics"
+        assert metrics.prefetch_pgs == [n] and metrics.backup_pgs == [n]
+        assert all(g > 0 for g in metrics.prefetch_bandwidth + metrics.backup_bandwidth)
+        assert ctrl.storage_backend.get_stats().prefetch_pgs == []
     finally:
         stop(ctrl)
 
@@ -242,7 +248,7 @@ def test_guard_down_means_misses_and_sglang_proceeds(short_tmp: str) -> None:
         op = cpu_rig.drain(ctrl.prefetch_hit_queue, 30)
         assert op.storage_hit_count == 0
         assert ctrl.storage_backend.batch_get_v1(keys, indices(3, 2)) == [False, False]
-        assert ctrl.storage_backend.get_stats()["failures"] >= 3
+        assert ctrl.storage_backend.kvcr_stats()["failures"] >= 3
     finally:
         stop(ctrl)
 

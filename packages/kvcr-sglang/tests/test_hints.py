@@ -89,7 +89,7 @@ def test_posted_hint_lets_sglang_fetch_missing_pages_from_the_named_peer(
 
         got = hashlib.sha256(b"".join(cpu_rig.page_bytes(host, 3, len(keys)))).hexdigest()
         assert got == wrote["digest"]
-        stats = backend.get_stats()
+        stats = backend.kvcr_stats()
         assert stats["hinted_fetched_pages"] == len(keys)
         assert node_b.metric("kvcr_hints_total", outcome="accepted") == 2
         assert node_b.metric("kvcr_hints_total", outcome="bad_json") == 1

@@ -72,7 +72,7 @@ def run_sglang_bench(*, quick: bool, as_json: bool) -> int:
             "write_gbps": _median_gbps(nbytes, lambda r: kvcr.page_set_func(keys[r], src), reps),
             "read_gbps": _median_gbps(
                 nbytes, lambda r: kvcr.page_get_func(op, keys[r], dst), reps)}
-        assert backend.get_stats()["read_pages"] == reps * n, backend.get_stats()
+        assert backend.kvcr_stats()["read_pages"] == reps * n, backend.kvcr_stats()
         assert cpu_rig.page_bytes(host, n, 2) == cpu_rig.page_bytes(host, 0, 2)
     finally:
         kvcr.detach_storage_backend()

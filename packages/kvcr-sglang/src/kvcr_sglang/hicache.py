@@ -258,8 +258,25 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         _, store = self._ready()
         return store.prefix_hits(keys)
 
-    def get_stats(self) -> dict[str, int] | None:
-        return None if self.store is None else self.store.stats.as_dict()
+    def get_stats(self) -> Any:
+        """SGLang's `StorageMetrics` (with --enable-storage-metrics): pages and GB/s of each
+        prefetch (read) and backup (write) call since the last call."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        stores = [] if self.store is None else [self.store]
+        stores += [s for _, s in self.side.values() if s is not self.store]
+        for store in stores:
+            reads, writes = store.io.drain()
+            metrics.prefetch_pgs.extend(p for p, _ in reads)
+            metrics.prefetch_bandwidth.extend(g for _, g in reads)
+            metrics.backup_pgs.extend(p for p, _ in writes)
+            metrics.backup_bandwidth.extend(g for _, g in writes)
+        return metrics
+
+    def kvcr_stats(self) -> dict[str, int]:
+        """kvcr's own counters for this backend (lookups, hits, stores, hinted fetches...)."""
+        return {} if self.store is None else self.store.stats.as_dict()
 
     def clear(self) -> None:
         if self.store is not None:

@@ -15,6 +15,7 @@ copies run outside it (ctypes.memmove releases the GIL).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -52,7 +53,7 @@ def block_key(page_key: str) -> BlockKey:
 
 
 class PageStoreStats:
-    """Plain counters (read by `get_stats()` and the benchmark); updated under the GIL."""
+    """Plain counters (read by `kvcr_stats()` and the benchmark); updated under the GIL."""
 
     __slots__ = ("failures", "hinted_fetched_pages", "hinted_fetches", "hit_pages", "lookups",
                  "miss_pages", "read_pages", "stored_pages")
@@ -66,6 +67,29 @@ class PageStoreStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+class IoSamples:
+    """Pages and GB/s of each read / write call since the last `drain` (SGLang's storage
+    metrics histograms); bounded, oldest dropped. Thread-safe."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self.reads: collections.deque[tuple[int, float]] = collections.deque(maxlen=limit)
+        self.writes: collections.deque[tuple[int, float]] = collections.deque(maxlen=limit)
+
+    def add(self, samples: collections.deque[tuple[int, float]], pages: int, nbytes: int,
+            seconds: float) -> None:
+        if pages:
+            with self._lock:
+                samples.append((pages, nbytes / max(seconds, 1e-9) / 1e9))
+
+    def drain(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        with self._lock:
+            reads, writes = list(self.reads), list(self.writes)
+            self.reads.clear()
+            self.writes.clear()
+        return reads, writes
+
+
 class PageStore:
     def __init__(self, socket_path: str, spec: NamespaceSpec, block_bytes: int, *,
                  identity: str, timeout_s: float, peers: frozenset[str] = frozenset(),
@@ -77,6 +101,7 @@ class PageStore:
         self.client = GuardClient(socket_path, spec, block_bytes, identity=identity,
                                   timeout_s=timeout_s)
         self.stats = PageStoreStats()
+        self.io = IoSamples()
         self._base_lock = threading.Lock()
         self._base: tuple[int, int, object] | None = None  # (attach count, address, export)
         self._warned: set[str] = set()
@@ -144,6 +169,7 @@ class PageStore:
     def write(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         """Stores every page not already present; True where the page is (or is being) kept."""
         n = len(page_keys)
+        start = time.perf_counter()
         reserved = self.reserve(page_keys) if n else None
         if reserved is None:
             return [False] * n
@@ -165,6 +191,8 @@ class PageStore:
         if not self.commit(op, granted):  # the op was reclaimed: nothing of it is trusted
             self.stats.failures += 1
             return [False] * n
+        self.io.add(self.io.writes, granted, granted * self.block_bytes,
+                    time.perf_counter() - start)
         return [True] * (n - refused) + [False] * refused
 
     def read(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
@@ -172,6 +200,7 @@ class PageStore:
         n = len(page_keys)
         if not n:
             return []
+        start = time.perf_counter()
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys])
         except GuardUnavailable as exc:
@@ -192,7 +221,9 @@ class PageStore:
         finally:
             with contextlib.suppress(GuardUnavailable):  # a dead connection's leases are
                 self.client.release_nowait(lease.op)  # reclaimed by the daemon
-        self.stats.read_pages += sum(filled)
+        done = sum(filled)
+        self.stats.read_pages += done
+        self.io.add(self.io.reads, done, done * self.block_bytes, time.perf_counter() - start)
         return filled
 
     def lease(self, page_keys: Sequence[str]) -> tuple[int, list[int]] | None:
