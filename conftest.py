@@ -96,6 +96,21 @@ def start_worker(guard: Guard, mode: str, *args: int) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """kvcr-vllm's `test` model preset (random weights, local tokenizer, no hub), built under
+    .cache/ once; a file lock serialises xdist workers."""
+    import fcntl
+
+    from kvcr_vllm.tiny_model import build
+
+    cache = Path(__file__).parent / ".cache" / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(build(cache / "tiny-test", "test"))
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[str]:
     """A short directory for Unix sockets (AF_UNIX paths are limited to ~107 bytes)."""

@@ -5,7 +5,6 @@ fleet (engines start in ~30-60 s on 2 cores)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import sys
 import time
@@ -84,18 +83,8 @@ def wait_ready(proc: Process, url: str, timeout_s: float = 400) -> None:
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    from kvcr_vllm.tiny_model import build
-
-    cache = REPO / ".cache" / "models"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return str(build(cache / "tiny-test", "test"))
-
-
-@pytest.fixture(scope="module")
-def fleet(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def fleet(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    model = tiny_model
     workdir = tmp_path_factory.mktemp("router-e2e")
     ports = {name: (free_port(), free_port()) for name in "ab"}
     peer = {name: f"tcp://127.0.0.1:{p}" for name, (p, _) in ports.items()}

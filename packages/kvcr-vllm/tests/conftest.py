@@ -1,9 +1,8 @@
-"""Fixtures for kvcr-vllm tests: the tiny local model (built once, no hub) and a runner for
-real vLLM engine processes."""
+"""Fixtures for kvcr-vllm tests: a runner for real vLLM engine processes (the tiny local
+model, `tiny_model`, is a root conftest fixture shared with the router tests)."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
 import sys
@@ -15,18 +14,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINE_ARGS = [sys.executable, "-m", "kvcr_vllm.probe"]
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> str:
-    """The `test` preset, built under .cache/ once (a file lock serialises xdist workers)."""
-    from kvcr_vllm.tiny_model import build
-
-    cache = REPO / ".cache" / "models"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return str(build(cache / "tiny-test", "test"))
 
 
 EngineRun = Callable[..., list[dict[str, Any]]]

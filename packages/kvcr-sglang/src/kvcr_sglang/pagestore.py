@@ -179,7 +179,7 @@ class PageStore:
             base = self._pool_address()
             for offset, segments in zip(offsets, pages, strict=True):
                 if offset is not None:
-                    self._copy_in(base + offset, segments)
+                    self._copy(base + offset, segments, into_slot=True)
                     granted += 1
         except (GuardUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
             self.abort(op)
@@ -213,7 +213,7 @@ class PageStore:
             for i, (slot, segments) in enumerate(zip(lease.slots, pages, strict=True)):
                 if slot is None:
                     break
-                self._copy_out(base + slot * stride, segments)
+                self._copy(base + slot * stride, segments, into_slot=False)
                 filled[i] = True
         except (GuardUnavailable, ValueError) as exc:
             self._fault("read", exc)
@@ -270,24 +270,17 @@ class PageStore:
         with contextlib.suppress(GuardUnavailable):
             self.client.release_nowait(OpId(op))
 
-    def _copy_in(self, slot_address: int, segments: Segments) -> None:
+    def _copy(self, slot_address: int, segments: Segments, *, into_slot: bool) -> None:
         total = sum(size for _, size in segments)
         if total != self.block_bytes:
             raise ValueError(f"a page of {total} bytes; this namespace stores "
                              f"{self.block_bytes}-byte pages")
-        offset = 0
+        offset = slot_address
         for address, size in segments:
-            ctypes.memmove(slot_address + offset, address, size)
-            offset += size
-
-    def _copy_out(self, slot_address: int, segments: Segments) -> None:
-        total = sum(size for _, size in segments)
-        if total != self.block_bytes:
-            raise ValueError(f"a page of {total} bytes; this namespace stores "
-                             f"{self.block_bytes}-byte pages")
-        offset = 0
-        for address, size in segments:
-            ctypes.memmove(address, slot_address + offset, size)
+            if into_slot:
+                ctypes.memmove(offset, address, size)
+            else:
+                ctypes.memmove(address, offset, size)
             offset += size
 
     def _pool_address(self) -> int:
