@@ -1,8 +1,10 @@
 """Peer transfers: authenticated, checksummed, deadline-bounded, and exact across processes
-and network namespaces."""
+and network namespaces. The contract tests run over both transports: TCP, and NIXL (skipped
+when nixl is not installed: pip install 'kvcr-core[nixl]')."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,8 +21,12 @@ from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_frame
+from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer, PeerTLS
 from kvcr_core.peers import protocol as pp
+from kvcr_core.peers.checksums import SlotChecksums
+from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
+from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import network_namespaces, pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
@@ -29,6 +35,18 @@ SECRET = PeerSecret(b"correct horse battery staple!!")
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 NODE = str(Path(__file__).with_name("peer_node.py"))
+NO_NIXL = "nixl is not installed (pip install 'kvcr-core[nixl]')"
+
+
+@pytest.fixture(params=["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_installed(), reason=NO_NIXL))])
+def transport(request: pytest.FixtureRequest) -> Transport:
+    """The transport a contract test runs over (NIXL: this process's agent, started first)."""
+    chosen = Transport(request.param)
+    if chosen is Transport.NIXL:
+        engine = NixlEngine.shared()
+        assert engine.wait_ready(120), f"nixl is installed but did not start: {engine.failure}"
+    return chosen
 
 
 def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
@@ -38,23 +56,31 @@ def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
 
 
 @pytest.fixture
-def source() -> Iterator[tuple[PeerServer, list[bytes]]]:
+def source(transport: Transport) -> Iterator[tuple[PeerServer, list[bytes]]]:
     runner, store, metrics = node()
     keys = random_keys(40, seed=1)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics)
+    server = PeerServer(runner, SECRET, metrics, nixl=transport is Transport.NIXL)
     yield server, keys
     server.close()
     runner.close()
 
 
-def test_fetch_is_byte_exact_and_reports_per_key(source) -> None:
+def client(store: NamespaceStore, metrics: PeerMetrics, transport: Transport,
+           **kwargs: object) -> PeerClient:
+    return PeerClient(store, SECRET, metrics, nixl=transport is Transport.NIXL,
+                      **kwargs)  # type: ignore[arg-type]
+
+
+def test_fetch_is_byte_exact_and_reports_per_key(source, transport) -> None:
     """Held keys arrive exactly and become READY; absent ones are MISSING; local ones PRESENT."""
     server, keys = source
     _, store, metrics = node()
     store.store(keys[:2], [pattern_block(k, BLOCK) for k in keys[:2]])
     wanted = [*keys[:10], *random_keys(2, seed=77)]
-    result = PeerClient(store, SECRET, metrics).fetch(server.endpoint, wanted, deadline_s=10)
+    peer = client(store, metrics, transport)
+    result = peer.fetch(server.endpoint, wanted, deadline_s=10)
+    assert result.transport is transport
     assert result.statuses[:2] == (FetchStatus.PRESENT,) * 2
     assert result.statuses[2:10] == (FetchStatus.OK,) * 8
     assert result.statuses[10:] == (FetchStatus.MISSING,) * 2
@@ -62,48 +88,64 @@ def test_fetch_is_byte_exact_and_reports_per_key(source) -> None:
     assert store.load(keys[:10]) == [pattern_block(k, BLOCK) for k in keys[:10]]
     assert store.lookup(wanted) == 10 and store.index.filling_blocks == 0
     assert metrics.fetched["ok"] == 8 and metrics.fetched["missing"] == 2
+    again = peer.fetch(server.endpoint, keys[10:20], deadline_s=10)  # a pooled connection
+    assert again.statuses == (FetchStatus.OK,) * 10 and again.transport is transport
+    assert server.metrics.connections[transport.value] == 1
+    peer.close()
 
 
 @pytest.mark.parametrize("client_secret,server_secret", [
     (b"the wrong secret, but long enough", SECRET),
     (SECRET, b"a server that does not know it!!"),
 ])
-def test_wrong_secret_is_refused_both_ways(client_secret, server_secret) -> None:
+def test_wrong_secret_is_refused_both_ways(client_secret, server_secret, transport) -> None:
     """A peer without the shared secret gets nothing and serves nothing."""
     c_secret = client_secret if isinstance(client_secret, PeerSecret) else PeerSecret(client_secret)
     s_secret = server_secret if isinstance(server_secret, PeerSecret) else PeerSecret(server_secret)
     runner, store, metrics = node()
     keys = random_keys(3, seed=2)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, s_secret, metrics)
+    nixl = transport is Transport.NIXL
+    server = PeerServer(runner, s_secret, metrics, nixl=nixl)
     _, dest, dmetrics = node()
-    result = PeerClient(dest, c_secret, dmetrics).fetch(server.endpoint, keys, deadline_s=5)
+    result = PeerClient(dest, c_secret, dmetrics, nixl=nixl).fetch(server.endpoint, keys,
+                                                                    deadline_s=5)
     assert set(result.statuses) == {FetchStatus.REFUSED} and "auth" in result.detail
     assert dest.lookup(keys) == 0 and dest.index.free_slots == dest.index.capacity_slots
     server.close()
 
 
-def test_other_namespace_is_refused(source) -> None:
+def test_other_namespace_is_refused(source, transport) -> None:
     """A destination of another namespace (model, layout, TP rank...) is refused."""
     server, keys = source
     registry = CollectorRegistry()
     runner = Runner(KVCRConfig(pool_bytes=64 * BLOCK), registry=registry)
     other = runner.open_namespace(NamespaceDigest(b"another-namespc!"), BLOCK)
-    result = PeerClient(other, SECRET, PeerMetrics(registry)).fetch(server.endpoint, keys,
-                                                                     deadline_s=5)
+    result = client(other, PeerMetrics(registry), transport).fetch(server.endpoint, keys,
+                                                                    deadline_s=5)
     assert set(result.statuses) == {FetchStatus.REFUSED} and "namespace" in result.detail
     assert server.metrics.refused["namespace"] == 1
 
 
 class FakeSource:
-    """A peer that authenticates correctly, then misbehaves as told."""
+    """A peer that authenticates correctly, then misbehaves as told, over `transport` (NIXL:
+    its blocks lie in a region of this process's agent, which the client reads as loopback)."""
 
-    def __init__(self, behaviour: str) -> None:
+    def __init__(self, behaviour: str, transport: Transport = Transport.TCP) -> None:
         self.behaviour = behaviour
+        self.nixl = transport is Transport.NIXL
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.release = threading.Event()
+        self.done = threading.Event()
+        self.region = HostRegion.create(16 * BLOCK, RegionKind.ANONYMOUS)
+        self.metadata = (NixlEngine.shared().register(self.region.address, self.region.size_bytes)
+                         if self.nixl else b"")
         threading.Thread(target=self.run, daemon=True).start()
+
+    def close(self) -> None:
+        if self.nixl:
+            NixlEngine.shared().deregister(self.region.address, self.region.size_bytes)
 
     def run(self) -> None:
         conn, _ = self.listener.accept()
@@ -112,107 +154,158 @@ class FakeSource:
         conn.sendall(pp.encode(pp.Challenge(1, nonce, SECRET.prove(b"server", nonce,
                                                                     hello.nonce))))
         recv_frame(conn)
-        conn.sendall(pp.encode(pp.Ready()))
+        conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, self.metadata) if self.nixl
+                               else pp.Ready()))
         fetch = pp.decode_to_server(recv_frame(conn)[0])
         blocks = [pattern_block(k, BLOCK) for k in fetch.keys]
         sums = [pp.checksum(b) for b in blocks]
         if self.behaviour == "wrong_bytes":
             blocks[1] = bytes(BLOCK)  # claims the checksum of the right bytes
+        if self.nixl:
+            self.serve_nixl(conn, fetch, blocks, sums)
+        else:
+            self.serve_tcp(conn, fetch, blocks, sums)
+        self.release.wait(30)
+        conn.close()
+
+    def serve_tcp(self, conn: socket.socket, fetch: pp.Fetch, blocks: list[bytes],
+                  sums: list[int]) -> None:
         conn.sendall(pp.encode(pp.Blocks(fetch.seq, [True] * len(blocks))))
         if self.behaviour in ("stall", "die"):
             conn.sendall(blocks[0] + pp.CHECKSUM.pack(sums[0]) + blocks[1][:100])
             if self.behaviour == "die":
                 conn.close()
-                return
-            self.release.wait(30)
             return
         for b, c in zip(blocks, sums, strict=True):
             conn.sendall(b + pp.CHECKSUM.pack(c))
-        self.release.wait(5)
+
+    def serve_nixl(self, conn: socket.socket, fetch: pp.Fetch, blocks: list[bytes],
+                   sums: list[int]) -> None:
+        if self.behaviour == "die":
+            conn.close()  # gone before saying where the blocks are
+            return
+        if self.behaviour == "stall":
+            self.release.wait(30)  # says nothing until released
+        addresses = [self.region.address + i * BLOCK for i in range(len(blocks))]
+        for i, block in enumerate(blocks):
+            self.region.view[i * BLOCK:(i + 1) * BLOCK] = block
+        if self.behaviour == "outside":
+            addresses[1] = self.region.address + self.region.size_bytes  # not registered
+        with contextlib.suppress(OSError):
+            conn.sendall(pp.encode(pp.NixlBlocks(fetch.seq, [True] * len(blocks), addresses,
+                                                 sums)))
+            done = pp.decode_to_server(recv_frame(conn)[0])
+            assert done == pp.FetchDone(fetch.seq)
+            self.done.set()
 
 
-def test_wrong_bytes_fail_the_checksum_and_are_never_published() -> None:
+@pytest.fixture
+def fake(transport: Transport) -> Iterator[type[FakeSource]]:
+    made: list[FakeSource] = []
+
+    def make(behaviour: str) -> FakeSource:
+        made.append(FakeSource(behaviour, transport))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for one in made:
+        one.release.set()
+        one.close()
+
+
+def test_wrong_bytes_fail_the_checksum_and_are_never_published(fake, transport) -> None:
     """A block whose bytes do not match its checksum is dropped and counted; others land."""
-    fake = FakeSource("wrong_bytes")
+    source = fake("wrong_bytes")
     _, store, metrics = node()
     keys = random_keys(3, seed=3)
-    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=10)
+    result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=10)
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
+    assert result.transport is transport
     assert store.contains(keys) == [True, False, True]
     assert metrics.fetched["checksum"] == 1 and store.index.filling_blocks == 0
 
 
-def test_silent_peer_costs_at_most_the_deadline() -> None:
+def test_silent_peer_costs_at_most_the_deadline(fake, transport) -> None:
     """A peer that stops mid-transfer: the fetch ends by its deadline, half blocks dropped."""
-    fake = FakeSource("stall")
+    source = fake("stall")
     _, store, metrics = node()
     keys = random_keys(4, seed=4)
     start = time.monotonic()
-    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=1.0)
+    result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=1.0)
     assert time.monotonic() - start < 2.0
-    assert result.statuses[0] is FetchStatus.OK
-    assert set(result.statuses[1:]) == {FetchStatus.TIMEOUT}
-    assert store.contains(keys) == [True, False, False, False] and store.index.filling_blocks == 0
-    fake.release.set()
+    # TCP: the first block came whole before the silence; NIXL: nothing was offered yet
+    arrived = 1 if transport is Transport.TCP else 0
+    assert result.statuses == (FetchStatus.OK,) * arrived + (FetchStatus.TIMEOUT,) * (4 - arrived)
+    assert store.contains(keys) == [True] * arrived + [False] * (4 - arrived)
+    assert store.index.filling_blocks == 0
 
 
-def test_peer_killed_mid_transfer_fails_the_rest() -> None:
-    """A peer that dies mid-block: per-key failures, nothing half-written becomes READY."""
-    fake = FakeSource("die")
+def test_peer_killed_mid_transfer_fails_the_rest(fake, transport) -> None:
+    """A peer that dies mid-fetch: per-key failures, nothing half-written becomes READY."""
+    source = fake("die")
     _, store, metrics = node()
     keys = random_keys(3, seed=5)
-    result = PeerClient(store, SECRET, metrics).fetch(fake.endpoint, keys, deadline_s=5)
-    assert result.statuses == (FetchStatus.OK, FetchStatus.UNREACHABLE, FetchStatus.UNREACHABLE)
-    assert store.contains(keys) == [True, False, False]
+    result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=5)
+    arrived = 1 if transport is Transport.TCP else 0
+    assert result.statuses == ((FetchStatus.OK,) * arrived
+                               + (FetchStatus.UNREACHABLE,) * (3 - arrived))
+    assert store.contains(keys) == [True] * arrived + [False] * (3 - arrived)
+    assert store.index.filling_blocks == 0
 
 
-def test_async_fetch_cancel_and_bounded_concurrency() -> None:
+def test_async_fetch_cancel_and_bounded_concurrency(fake, transport) -> None:
     """fetch_async returns a handle; cancel ends it; past the bound it refuses at once."""
-    fake = FakeSource("stall")
+    source = fake("stall")
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, max_concurrent=1)
+    peer = client(store, metrics, transport, max_concurrent=1)
     keys = random_keys(4, seed=6)
-    handle = client.fetch_async(fake.endpoint, keys, deadline_s=3)
+    handle = peer.fetch_async(source.endpoint, keys, deadline_s=3)
     assert handle.poll() is None
-    refused = client.fetch_async(fake.endpoint, random_keys(2, seed=7), deadline_s=3)
+    refused = peer.fetch_async(source.endpoint, random_keys(2, seed=7), deadline_s=3)
     assert refused.poll() is not None
     assert set(refused.result().statuses) == {FetchStatus.CAPACITY}
     handle.cancel()
-    fake.release.set()
+    source.release.set()
     result = handle.result(timeout=5)
     assert FetchStatus.CANCELLED in result.statuses
     assert set(result.statuses) <= {FetchStatus.OK, FetchStatus.CANCELLED}
     assert store.index.filling_blocks == 0
-    client.close()
+    peer.close()
 
 
-def test_unreachable_peer_fails_fast() -> None:
+def test_unreachable_peer_fails_fast(transport) -> None:
     """Nobody listening: UNREACHABLE at once, reservations returned."""
     _, store, metrics = node()
     port = socket.create_server(("127.0.0.1", 0))
     dead = f"tcp://127.0.0.1:{port.getsockname()[1]}"
     port.close()
-    result = PeerClient(store, SECRET, metrics).fetch(dead, random_keys(2), deadline_s=5)
+    result = client(store, metrics, transport).fetch(dead, random_keys(2), deadline_s=5)
     assert set(result.statuses) == {FetchStatus.UNREACHABLE}
     assert store.index.free_slots == store.index.capacity_slots
 
 
-def run_node(*args: str, prefix: list[str] | None = None) -> subprocess.Popen[str]:
+def run_node(*args: str, prefix: list[str] | None = None,
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([*(prefix or []), sys.executable, NODE, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
-def test_two_processes_transfer_1000_blocks_exactly() -> None:
-    """Across real processes over loopback TCP: 1,000 blocks, every byte checked."""
-    server = run_node("serve", "x" * 24, "127.0.0.1", "1000", str(BLOCK))
+def test_two_processes_transfer_1000_blocks_exactly(transport) -> None:
+    """Across real processes over loopback: 1,000 blocks, every byte checked, over the
+    transport both sides have."""
+    server = run_node("serve", "x" * 24, "127.0.0.1", "1000", str(BLOCK), transport.value)
     try:
         assert server.stdout is not None
-        endpoint = json.loads(server.stdout.readline())["endpoint"]
+        line = server.stdout.readline()
+        assert line, server.stderr.read() if server.stderr else ""
+        endpoint = json.loads(line)["endpoint"]
         out = subprocess.run([sys.executable, NODE, "fetch", "x" * 24, endpoint, "1000",
-                              str(BLOCK)], capture_output=True, text=True, timeout=120,
-                             check=True)
+                              str(BLOCK), transport.value], capture_output=True, text=True,
+                             timeout=180, check=True)
         report = json.loads(out.stdout)
-        assert report == {**report, "fetched": 1000, "ready": 1000, "corrupt": 0}
+        assert report == {**report, "fetched": 1000, "ready": 1000, "corrupt": 0,
+                          "transports": [transport.value]}
     finally:
         server.kill()
         server.wait()
@@ -228,11 +321,14 @@ def netns_pair() -> Iterator[tuple[str, str, str]]:
 
 
 @pytest.mark.slow
-def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair) -> None:
-    """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly."""
+def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transport) -> None:
+    """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly (NIXL
+    forced onto the veth with UCX_TLS=tcp, as between hosts)."""
     a, b, address = netns_pair
-    server = run_node("serve", "y" * 24, address, "1000", str(BLOCK),
-                      prefix=["ip", "netns", "exec", a])
+    ucx = transport is Transport.NIXL
+    server = run_node("serve", "y" * 24, address, "1000", str(BLOCK), transport.value,
+                      prefix=["ip", "netns", "exec", a],
+                      env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrptva"} if ucx else None)
     try:
         assert server.stdout is not None
         line = server.stdout.readline()
@@ -240,10 +336,14 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair) -> None
         endpoint = json.loads(line)["endpoint"]
         assert endpoint.startswith("tcp://10.201.7.1:")
         out = subprocess.run(["ip", "netns", "exec", b, sys.executable, NODE, "fetch", "y" * 24,
-                              endpoint, "1000", str(BLOCK)], capture_output=True, text=True,
-                             timeout=120, check=True)
+                              endpoint, "1000", str(BLOCK), transport.value],
+                             capture_output=True, text=True, timeout=180, check=True,
+                             env={**os.environ, **({"UCX_TLS": "tcp",
+                                                    "UCX_NET_DEVICES": "kvcrptvb"} if ucx
+                                                   else {})})
         report = json.loads(out.stdout)
         assert report["fetched"] == 1000 and report["ready"] == 1000 and report["corrupt"] == 0
+        assert report["transports"] == [transport.value]
     finally:
         server.kill()
         server.wait()
@@ -308,12 +408,65 @@ def test_tls_peers_transfer_and_plain_clients_are_turned_away(tmp_path: Path) ->
     runner, store, metrics = node()
     keys = random_keys(5, seed=9)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics, tls=tls)
+    server = PeerServer(runner, SECRET, metrics, tls=tls, nixl=True)
     _, dest, dmetrics = node()
-    result = PeerClient(dest, SECRET, dmetrics, tls=tls).fetch(server.endpoint, keys, 10)
+    result = PeerClient(dest, SECRET, dmetrics, tls=tls, nixl=True).fetch(server.endpoint, keys,
+                                                                          10)
     assert result.statuses == (FetchStatus.OK,) * 5
+    assert result.transport is Transport.TCP  # NIXL would carry the bytes outside TLS
     assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     _, plain, pmetrics = node()
-    bad = PeerClient(plain, SECRET, pmetrics).fetch(server.endpoint, keys, deadline_s=3)
+    bad = PeerClient(plain, SECRET, pmetrics, nixl=False).fetch(server.endpoint, keys,
+                                                                 deadline_s=3)
     assert FetchStatus.OK not in bad.statuses and plain.lookup(keys) == 0
+    server.close()
+
+
+def test_source_checksums_follow_slot_rewrites() -> None:
+    """A source's cached checksum is reused while its slot holds the same bytes and never
+    outlives a rewrite of the slot, even under the same key or into the same slot."""
+    _, store, _ = node(blocks=1)
+    capacity = store.index.capacity_slots
+    keys = random_keys(capacity + 1, seed=10)
+    store.store(keys[:capacity], [pattern_block(k, BLOCK) for k in keys[:capacity]])
+    sums = SlotChecksums(store)
+    slot = store.index.slot_of(keys[0])
+    assert slot is not None
+    assert sums.of(slot) == sums.of(slot) == pp.checksum(pattern_block(keys[0], BLOCK))
+    assert sums.computed == 1
+    with store.lock:
+        store.index.discard([keys[0]])
+    store.store([keys[capacity]], [pattern_block(keys[capacity], BLOCK)])  # same slot, new key
+    assert store.index.slot_of(keys[capacity]) == slot
+    assert sums.of(slot) == pp.checksum(pattern_block(keys[capacity], BLOCK))
+    with store.lock:
+        store.index.discard([keys[capacity]])
+    store.store([keys[capacity]], [bytes(BLOCK)])  # same key, same slot, other bytes
+    assert store.index.slot_of(keys[capacity]) == slot
+    assert sums.of(slot) == pp.checksum(bytes(BLOCK)) and sums.computed == 3
+
+
+def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> None:
+    """The second fetch of the same blocks reuses the source's checksums (the bench's "warm"),
+    and a fetch after the blocks were stored again hashes them again."""
+    runner, store, metrics = node()
+    keys = random_keys(6, seed=11)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics, nixl=transport is Transport.NIXL)
+    _, dest, dmetrics = node()
+    peer = client(dest, dmetrics, transport)
+    for _ in range(2):
+        assert peer.fetch(server.endpoint, keys, deadline_s=10).fetched == 6
+        with dest.lock:
+            dest.index.discard(keys)
+    assert server._sums[NS].computed == 6
+    deadline = time.monotonic() + 5
+    while store.index.leased_slots and time.monotonic() < deadline:  # the server releases
+        time.sleep(0.01)                                                # after its last send
+    with store.lock:
+        assert store.index.discard(keys) == 6
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    assert peer.fetch(server.endpoint, keys, deadline_s=10).fetched == 6
+    assert server._sums[NS].computed == 12
+    peer.close()
     server.close()

@@ -8,11 +8,14 @@ callers set timeouts for deadlines). Pure functions; thread-safe per socket owne
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
+from collections.abc import Sequence
 from typing import Final
 
 MAX_FRAME_BYTES: Final = 1 << 20
 FRAME_HEADER = struct.Struct("<I")
+_IOV_MAX: Final = 1024  # Linux's limit on buffers per sendmsg
 
 
 class FrameError(ValueError):
@@ -34,6 +37,26 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("the peer closed the connection mid-message")
         got += n
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Sends the buffers in order with as few system calls as the kernel allows (gather I/O,
+    resumed after partial sends); a TLS socket sends them one by one."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buffer in buffers:
+            sock.sendall(buffer)
+        return
+    views = [memoryview(b) for b in buffers]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + _IOV_MAX])
+        while sent:
+            size = views[first].nbytes
+            if sent < size:
+                views[first] = views[first][sent:]
+                break
+            sent -= size
+            first += 1
 
 
 def recv_frame(sock: socket.socket, *, max_fds: int = 0,

@@ -83,6 +83,7 @@ class BlockIndex:
         self._key_of: list[BlockKey | None] = [None] * capacity_slots
         self._state = bytearray(capacity_slots)
         self._lease_count = array.array("I", [0]) * capacity_slots
+        self._generation = array.array("Q", [0]) * capacity_slots  # +1 per reservation
         self._leased_slots = 0
         self._free: list[SlotId] = []
         self._fresh = 0  # slots >= _fresh were never used: no need to list them
@@ -118,6 +119,12 @@ class BlockIndex:
 
     def lease_count(self, slot: SlotId) -> int:
         return self._lease_count[slot]
+
+    def generation(self, slot: SlotId) -> int:
+        """How many times `slot` has been reserved (its bytes change only while FILLING), so
+        anything derived from a READY slot's bytes stays valid while this stays the same. A
+        leased slot's generation cannot change, so holders of a lease may read it unlocked."""
+        return self._generation[slot]
 
     @property
     def ready_blocks(self) -> int:
@@ -162,7 +169,7 @@ class BlockIndex:
         if self._open_reservations >= self.max_reservations:
             return Reservation(NO_OP, (None,) * len(keys), 0, len(keys))
         ready, filling, state, key_of = self._ready, self._filling, self._state, self._key_of
-        free, take_slot = self._free, self._take_slot
+        free, take_slot, generation = self._free, self._take_slot, self._generation
         out: list[SlotId | None] = []
         op_keys: list[BlockKey] = []
         op_slots: list[SlotId] = []
@@ -185,6 +192,7 @@ class BlockIndex:
                 out.extend([None] * refused)
                 break
             state[slot] = _FILLING
+            generation[slot] += 1
             key_of[slot] = key
             filling[key] = slot
             op_keys.append(key)

@@ -12,6 +12,7 @@ as long as the index (which owns slot states) grants them.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import mmap
 import os
@@ -44,6 +45,7 @@ class HostRegion:
         self.kind = kind
         self._fd = fd
         self._view: memoryview | None = memoryview(mapping)
+        self._address: int | None = None
 
     @classmethod
     def create(cls, size_bytes: int, kind: RegionKind = RegionKind.MEMFD,
@@ -81,6 +83,15 @@ class HostRegion:
         if self._view is None:
             raise ClosedError("host region is closed")
         return self._view
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process (to register it with a transport)."""
+        if self._address is None:
+            anchor = ctypes.c_char.from_buffer(self.view)
+            self._address = ctypes.addressof(anchor)
+            del anchor  # drop the buffer export at once, or the mapping could not close
+        return self._address
 
     @property
     def fd(self) -> int:

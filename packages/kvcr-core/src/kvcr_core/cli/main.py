@@ -30,7 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "guard", help="copy path through kvcr-guard, control round trip, attach time")
     guard.add_argument("--quick", action="store_true", help="short run")
     guard.add_argument("--json", action="store_true", help="print one JSON object")
-    peer = bench_sub.add_parser("peer", help="TCP peer transport vs raw TCP, fetch latency")
+    peer = bench_sub.add_parser("peer", help="peer transports (TCP, NIXL) vs raw, fetch latency")
     peer.add_argument("--quick", action="store_true", help="short run")
     peer.add_argument("--json", action="store_true", help="print one JSON object")
     for plugin in _bench_plugins():  # e.g. `kvcr bench vllm` from kvcr-vllm

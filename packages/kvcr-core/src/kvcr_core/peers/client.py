@@ -1,14 +1,16 @@
 """`PeerClient`: fetches blocks from another node's Runner into reserved local slots.
 
 Destination-initiated: the local namespace store reserves slots for the keys it lacks, the
-source streams the bytes it holds, and they land straight in those slots (`recv_into`, no
-copy). Every block's xxh3-64 checksum is verified before it is published (each side hashes
-while the kernel moves bytes); a block that does not match is dropped and counted. Per-key
-results carry reasons (`FetchStatus`).
+source says which it holds, and their bytes land straight in those slots: over TCP
+(`recv_into`, no copy), or, when both sides run NIXL and TLS is off, by a NIXL READ from the
+source's leased slots (the control messages stay on the authenticated TCP connection). Every
+block's xxh3-64 is verified against the source's checksum before it is published; a block
+that does not match is dropped and counted. Per-key results carry reasons (`FetchStatus`).
 
-Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait is
-bounded by the time left); on timeout or cancel the connection is dropped (its stream would
-be out of step) and nothing half-written becomes READY. `fetch_async` returns a handle
+Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
+each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
+verified chunk by chunk); on timeout or cancel nothing half-written becomes READY, and a
+connection whose stream could be out of step is dropped. `fetch_async` returns a handle
 (poll / result / cancel) and runs on a bounded pool of threads; beyond the bound it refuses at
 once (CAPACITY) instead of queueing.
 """
@@ -31,11 +33,19 @@ from kvcr_core.hints import Endpoint
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
+from kvcr_core.peers.nixl_transport import (
+    NixlEngine,
+    NixlError,
+    NixlRequestRefused,
+    nixl_installed,
+)
+from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
 _MAX_IDLE_PER_PEER = 4
+_MAX_KNOWN_PEERS = 256
 
 
 class PeerRefused(ConnectionError):
@@ -49,6 +59,7 @@ class FetchResult:
     statuses: tuple[FetchStatus, ...]  # aligned with the keys asked for
     received_bytes: int
     detail: str = ""
+    transport: Transport | None = None  # None: nothing was asked of the peer
 
     @property
     def fetched(self) -> int:
@@ -90,20 +101,55 @@ class FetchHandle:
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, transport: Transport, nixl_peer: str = "") -> None:
         self.sock = sock
+        self.transport = transport
+        self.nixl_peer = nixl_peer  # the source's NIXL agent, on a NIXL connection
         self.seq = 0
 
 
+@dataclasses.dataclass
+class _Fetch:
+    """One fetch in flight: what was asked, where it lands, what became of each key."""
+
+    keys: Sequence[BlockKey]
+    slots: Sequence[SlotId | None]
+    wanted: list[int]
+    statuses: list[FetchStatus]
+    keep: list[BlockKey]
+    deadline: float
+    cancel: threading.Event | None
+    received: int = 0
+
+    def fail(self, status: FetchStatus) -> None:
+        for i in self.wanted:
+            if self.statuses[i] is FetchStatus.TIMEOUT:
+                self.statuses[i] = status
+
+    def cancelled(self) -> bool:
+        if self.cancel is not None and self.cancel.is_set():
+            self.fail(FetchStatus.CANCELLED)
+            return True
+        return False
+
+
 class PeerClient:
-    """Fetches into one local namespace store from peers that share its secret."""
+    """Fetches into one local namespace store from peers that share its secret.
+    `nixl=False` keeps every connection on TCP."""
 
     def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
-                 max_concurrent: int = 8, tls: PeerTLS | None = None) -> None:
+                 max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = True) -> None:
         self.store = store
         self.secret = secret
         self.metrics = metrics
         self._tls = tls.client_context() if tls is not None else None
+        self.nixl = NixlEngine.shared() if nixl and tls is None and nixl_installed() else None
+        if self.nixl is not None:
+            self.nixl.start()
+        self._nixl_region: int | None = None  # our pool's address, once registered
+        self._nixl_failed = False
+        self._tcp_only: set[str] = set()  # endpoints where NIXL could not be set up
+        self._valid: set[str] = set()  # endpoints already parsed
         self._idle: dict[str, list[_Connection]] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
@@ -114,9 +160,12 @@ class PeerClient:
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             idle, self._idle = self._idle, {}
+            region, self._nixl_region = self._nixl_region, None
         for conns in idle.values():
             for conn in conns:
-                conn.sock.close()
+                self._drop(conn)
+        if self.nixl is not None and region is not None:
+            self.nixl.deregister(region, self.store.pool.region.size_bytes)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -138,92 +187,132 @@ class PeerClient:
 
     def fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float,
               cancel: threading.Event | None = None) -> FetchResult:
-        Endpoint.parse(endpoint, where="peer endpoint")  # a bad endpoint is the caller's bug
-        deadline = time.monotonic() + deadline_s
+        self._check_endpoint(endpoint)
         res = self.store.reserve(keys)
         statuses: list[FetchStatus] = [
             FetchStatus.PRESENT if slot is None else FetchStatus.TIMEOUT for slot in res.slots]
         for i in range(len(keys) - res.refused, len(keys)):
             statuses[i] = FetchStatus.CAPACITY
-        wanted = [i for i, slot in enumerate(res.slots) if slot is not None]
-        keep: list[BlockKey] = []
-        received = 0
+        job = _Fetch(keys, res.slots, [i for i, s in enumerate(res.slots) if s is not None],
+                     statuses, [], time.monotonic() + deadline_s, cancel)
         detail = ""
-        if wanted:
+        transport = None
+        if job.wanted:
             try:
-                received = self._transfer(endpoint, keys, res.slots, wanted, statuses, keep,
-                                          deadline, cancel)
+                transport = self._transfer(endpoint, job)
             except PeerRefused as exc:
-                self._fail(wanted, statuses, FetchStatus.REFUSED)
+                job.fail(FetchStatus.REFUSED)
                 detail = str(exc)
-            except (msgspec.MsgspecError, FrameError) as exc:
-                self._fail(wanted, statuses, FetchStatus.PROTOCOL)
+            except (msgspec.MsgspecError, FrameError, NixlRequestRefused) as exc:
+                job.fail(FetchStatus.PROTOCOL)
                 detail = f"malformed answer: {exc}"
             except TimeoutError:
                 detail = "deadline passed"  # statuses still TIMEOUT where not settled
-            except OSError as exc:
-                self._fail(wanted, statuses, FetchStatus.UNREACHABLE)
+            except (OSError, NixlError) as exc:
+                job.fail(FetchStatus.UNREACHABLE)
                 detail = f"{endpoint}: {exc}"
             finally:
-                self.store.settle(res.op, keep)
-        self.metrics.on_fetch(Counter(statuses), received)
-        return FetchResult(tuple(statuses), received, detail)
+                self.store.settle(res.op, job.keep)
+        self.metrics.on_fetch(Counter(statuses), job.received)
+        return FetchResult(tuple(statuses), job.received, detail, transport)
+
+    def _check_endpoint(self, endpoint: str) -> None:
+        """A bad endpoint is the caller's bug (HintRejected); good ones are remembered."""
+        if endpoint not in self._valid:
+            Endpoint.parse(endpoint, where="peer endpoint")
+            with self._lock:
+                if len(self._valid) >= _MAX_KNOWN_PEERS:
+                    self._valid.clear()
+                self._valid.add(endpoint)
 
     # -- transfer ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _fail(wanted: list[int], statuses: list[FetchStatus], status: FetchStatus) -> None:
-        for i in wanted:
-            if statuses[i] is FetchStatus.TIMEOUT:
-                statuses[i] = status
-
-    def _transfer(self, endpoint: str, keys: Sequence[BlockKey],
-                  slots: Sequence[SlotId | None],
-                  wanted: list[int], statuses: list[FetchStatus], keep: list[BlockKey],
-                  deadline: float, cancel: threading.Event | None) -> int:
-        conn = self._checkout(endpoint, deadline)
+    def _transfer(self, endpoint: str, job: _Fetch) -> Transport:
+        conn = self._checkout(endpoint, job.deadline)
         reusable = False
-        received = 0
         try:
             conn.seq += 1
-            self._timeout(conn, deadline)
-            conn.sock.sendall(pp.encode(pp.Fetch(conn.seq, [keys[i] for i in wanted])))
-            self._timeout(conn, deadline)
+            self._timeout(conn, job.deadline)
+            conn.sock.sendall(pp.encode(pp.Fetch(conn.seq, [job.keys[i] for i in job.wanted])))
+            self._timeout(conn, job.deadline)
             reply = pp.decode_to_client(recv_frame(conn.sock)[0])
             if isinstance(reply, pp.Refused):
                 raise PeerRefused(reply.reason, reply.detail)
-            if (not isinstance(reply, pp.Blocks) or reply.seq != conn.seq
-                    or len(reply.found) != len(wanted)):
-                raise FrameError("a Blocks reply that does not match the Fetch")
-            view = self.store.pool.view
-            trailer = bytearray(pp.CHECKSUM.size)
-            for i, found in zip(wanted, reply.found, strict=True):
-                if not found:
-                    statuses[i] = FetchStatus.MISSING
-                    continue
-                if cancel is not None and cancel.is_set():
-                    self._fail(wanted, statuses, FetchStatus.CANCELLED)
-                    return received
-                slot = slots[i]
-                assert slot is not None
-                target = view(slot)
-                self._timeout(conn, deadline)
-                recv_exact_into(conn.sock, target)
-                got = pp.checksum(target)  # while the kernel receives what follows
-                recv_exact_into(conn.sock, memoryview(trailer))
-                received += len(target)
-                if got == pp.CHECKSUM.unpack(trailer)[0]:
-                    statuses[i] = FetchStatus.OK
-                    keep.append(keys[i])
-                else:
-                    statuses[i] = FetchStatus.CHECKSUM
-            reusable = True
-            return received
+            if isinstance(reply, pp.Blocks) and conn.transport is Transport.TCP:
+                reusable = self._receive_tcp(conn, reply, job)
+            elif isinstance(reply, pp.NixlBlocks) and conn.transport is Transport.NIXL:
+                reusable = self._read_nixl(conn, reply, job)
+            else:
+                raise FrameError(f"a {type(reply).__name__} reply on a {conn.transport.value} "
+                                 "connection")
+            return conn.transport
         finally:
             if reusable:
                 self._checkin(endpoint, conn)
             else:
-                conn.sock.close()
+                self._drop(conn)
+
+    def _receive_tcp(self, conn: _Connection, reply: pp.Blocks, job: _Fetch) -> bool:
+        """Receives the found blocks; False when cancelled midway (the stream is out of step)."""
+        if reply.seq != conn.seq or len(reply.found) != len(job.wanted):
+            raise FrameError("a Blocks reply that does not match the Fetch")
+        view, checksum, unpack = self.store.pool.view, pp.checksum, pp.CHECKSUM.unpack
+        trailer = bytearray(pp.CHECKSUM.size)
+        for i, found in zip(job.wanted, reply.found, strict=True):
+            if not found:
+                job.statuses[i] = FetchStatus.MISSING
+                continue
+            if job.cancelled():
+                return False
+            slot = job.slots[i]
+            assert slot is not None
+            target = view(slot)
+            self._timeout(conn, job.deadline)
+            recv_exact_into(conn.sock, target)
+            got = checksum(target)  # while the kernel receives what follows
+            recv_exact_into(conn.sock, memoryview(trailer))
+            job.received += len(target)
+            if got == unpack(trailer)[0]:
+                job.statuses[i] = FetchStatus.OK
+                job.keep.append(job.keys[i])
+            else:
+                job.statuses[i] = FetchStatus.CHECKSUM
+        return True
+
+    def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
+        """READs the found blocks chunk by chunk, verifying each chunk while it is in cache."""
+        found = sum(reply.found)
+        if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
+                or len(reply.addresses) != found or len(reply.checksums) != found):
+            raise FrameError("a NixlBlocks reply that does not match the Fetch")
+        assert self.nixl is not None and self._nixl_region is not None
+        pool, base = self.store.pool, self._nixl_region
+        todo: list[tuple[int, SlotId, int, int]] = []  # key index, local slot, remote, checksum
+        sources = iter(zip(reply.addresses, reply.checksums, strict=True))
+        for i, present in zip(job.wanted, reply.found, strict=True):
+            if not present:
+                job.statuses[i] = FetchStatus.MISSING
+                continue
+            slot = job.slots[i]
+            assert slot is not None
+            todo.append((i, slot, *next(sources)))
+        per_read = max(1, self.nixl.chunk_bytes // pool.slot_bytes)
+        for start in range(0, len(todo), per_read):
+            if job.cancelled():
+                break
+            chunk = todo[start:start + per_read]
+            self.nixl.read(conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
+                           [t[2] for t in chunk], pool.slot_bytes, job.deadline)
+            for i, slot, _, expected in chunk:
+                job.received += pool.slot_bytes
+                if pp.checksum(pool.view(slot)) == expected:
+                    job.statuses[i] = FetchStatus.OK
+                    job.keep.append(job.keys[i])
+                else:
+                    job.statuses[i] = FetchStatus.CHECKSUM
+        self._timeout(conn, job.deadline)
+        conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))
+        return True
 
     @staticmethod
     def _timeout(conn: _Connection, deadline: float) -> None:
@@ -231,6 +320,8 @@ class PeerClient:
         if left <= 0:
             raise TimeoutError("deadline passed")
         conn.sock.settimeout(left)
+
+    # -- connections ---------------------------------------------------------------------------
 
     def _checkout(self, endpoint: str, deadline: float) -> _Connection:
         with self._lock:
@@ -245,7 +336,12 @@ class PeerClient:
             if len(idle) < _MAX_IDLE_PER_PEER:
                 idle.append(conn)
                 return
+        self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
         conn.sock.close()
+        if conn.nixl_peer and self.nixl is not None:
+            self.nixl.drop_peer(conn.nixl_peer)
 
     def _connect(self, endpoint: str, deadline: float) -> _Connection:
         target = Endpoint.parse(endpoint)
@@ -255,20 +351,53 @@ class PeerClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=target.host)
-            conn = _Connection(sock)
+            conn = _Connection(sock, Transport.TCP)
             self._timeout(conn, deadline)
-            authenticate(sock, self.secret, self.store.digest, self.store.block_bytes, endpoint)
+            offer = (Transport.NIXL.value,) if self._nixl_ready(endpoint) else ()
+            ready = authenticate(sock, self.secret, self.store.digest, self.store.block_bytes,
+                                 endpoint, offer)
+            if ready.transport == Transport.NIXL.value and offer:
+                assert self.nixl is not None
+                try:
+                    conn.nixl_peer = self.nixl.add_peer(ready.nixl_agent)
+                except NixlError:
+                    with self._lock:
+                        if len(self._tcp_only) >= _MAX_KNOWN_PEERS:
+                            self._tcp_only.clear()
+                        self._tcp_only.add(endpoint)
+                    sock.close()
+                    return self._connect(endpoint, deadline)  # again, offering TCP only
+                conn.transport = Transport.NIXL
+            elif ready.transport != Transport.TCP.value:
+                raise FrameError(f"the peer chose transport {ready.transport!r}, not offered")
             return conn
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
             raise
 
+    def _nixl_ready(self, endpoint: str) -> bool:
+        """Whether to offer NIXL: running here, our pool registered, not failed with `endpoint`."""
+        if (self.nixl is None or not self.nixl.ready() or self._nixl_failed
+                or endpoint in self._tcp_only):
+            return False
+        with self._lock:
+            if self._nixl_region is None:
+                region = self.store.pool.region
+                try:
+                    self.nixl.register(region.address, region.size_bytes)
+                except NixlError:
+                    self._nixl_failed = True  # this pool cannot be a NIXL target: TCP it is
+                    return False
+                self._nixl_region = region.address
+        return True
+
 
 def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,
-                 endpoint: str) -> None:
+                 endpoint: str, transports: Sequence[str] = ()) -> pp.Ready:
     """The client half of the handshake (docs/peers.md); the socket's timeout bounds it.
-    An empty `namespace` asks for an inventory-only session."""
+    An empty `namespace` asks for an inventory-only session; `transports` offers extras
+    beyond TCP. Returns the source's Ready (which transport it chose)."""
     nonce = new_nonce()
     sock.sendall(pp.encode(pp.Hello(pp.PEER_PROTOCOL_VERSION, nonce)))
     challenge = pp.decode_to_client(recv_frame(sock)[0])
@@ -279,9 +408,10 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
     if not secret.check(b"server", challenge.nonce, nonce, challenge.mac):
         raise PeerRefused("auth", f"{endpoint} does not know the shared peer secret")
     sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce), namespace,
-                                   block_bytes)))
+                                   block_bytes, list(transports))))
     ready = pp.decode_to_client(recv_frame(sock)[0])
     if isinstance(ready, pp.Refused):
         raise PeerRefused(ready.reason, ready.detail)
     if not isinstance(ready, pp.Ready):
         raise FrameError("expected Ready")
+    return ready

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from kvcr_core.metrics import LightMetrics
-from kvcr_core.peers.protocol import RefuseReason
+from kvcr_core.peers.protocol import RefuseReason, Transport
 
 
 class FetchStatus(enum.Enum):
@@ -33,6 +33,7 @@ class PeerMetrics(LightMetrics):
         self.fetched = {s.value: 0 for s in FetchStatus}
         self.fetched_bytes = self.served_blocks = self.served_bytes = 0
         self.refused = {r.value: 0 for r in RefuseReason}
+        self.connections = {t.value: 0 for t in Transport}
         self.register()
 
     def on_fetch(self, counts: dict[FetchStatus, int], received_bytes: int) -> None:
@@ -46,6 +47,10 @@ class PeerMetrics(LightMetrics):
             self.served_blocks += blocks
             self.served_bytes += sent_bytes
 
+    def on_connection(self, transport: Transport) -> None:
+        with self.lock:
+            self.connections[transport.value] += 1
+
     def on_refused(self, reason: RefuseReason) -> None:
         with self.lock:
             self.refused[reason.value] += 1
@@ -56,10 +61,13 @@ class PeerMetrics(LightMetrics):
                                 "Blocks asked of peers, by outcome", "status", dict(self.fetched))
             yield self.counter("kvcr_peer_fetched_bytes_total",
                                "Block bytes received from peers and verified", self.fetched_bytes)
-            yield self.counter("kvcr_peer_served_blocks_total", "Blocks sent to peers",
+            yield self.counter("kvcr_peer_served_blocks_total", "Blocks sent to (or read by) peers",
                                self.served_blocks)
             yield self.counter("kvcr_peer_served_bytes_total", "Block bytes sent to peers",
                                self.served_bytes)
+            yield self.labelled("kvcr_peer_connections_total",
+                                "Peer connections served, by the transport negotiated",
+                                "transport", dict(self.connections))
             yield self.labelled("kvcr_peer_refusals_total",
                                 "Peer connections refused, by reason", "reason",
                                 dict(self.refused))

@@ -4,15 +4,23 @@ raw block bytes streamed after a fetch reply.
 Handshake (destination = client, source = server):
   C -> S  Hello(version, nonce_c)
   S -> C  Challenge(version, nonce_s, HMAC(secret, "server", nonce_s, nonce_c))
-  C -> S  Auth(HMAC(secret, "client", nonce_c, nonce_s), namespace digest, block_bytes)
-  S -> C  Ready  |  Refused(reason, detail)
-Both sides check the other's MAC; the namespace is checked only after authentication.
-Then, any number of times:
+  C -> S  Auth(HMAC(secret, "client", nonce_c, nonce_s), namespace digest, block_bytes,
+               transports offered beyond TCP)
+  S -> C  Ready(transport, NIXL agent metadata if "nixl")  |  Refused(reason, detail)
+Both sides check the other's MAC; the namespace is checked only after authentication. The
+source picks NIXL only when the destination offered it and it has NIXL running itself;
+otherwise (and always with TLS) blocks travel over this TCP connection. Then, any number of
+times, on a TCP connection:
   C -> S  Fetch(seq, keys)
   S -> C  Blocks(seq, found), then per found key: block_bytes raw bytes followed by its
-          8-byte little-endian xxh3-64 checksum (hashed while the kernel sends the bytes)
-The destination hashes each block as it lands and publishes only blocks whose checksum
-matches; a transfer cut short keeps the blocks that arrived whole and verified.
+          8-byte little-endian xxh3-64 checksum
+and on a NIXL connection (the control messages stay on this connection):
+  C -> S  Fetch(seq, keys)
+  S -> C  NixlBlocks(seq, found, addresses, checksums)   (found blocks leased until...)
+  C -> S  FetchDone(seq)                                  (...the destination has read them)
+The destination verifies every block against the source's checksum and publishes only blocks
+that match; a transfer cut short keeps the blocks that arrived whole and verified. Optional
+trailing fields keep version-1 peers without NIXL compatible both ways.
 Pure data and codecs; thread-safe.
 """
 
@@ -30,6 +38,7 @@ from kvcr_core.framing import frame
 PEER_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_FETCH: Final = 4096
 MAX_INVENTORY_BATCHES: Final = 16  # 16 batches of <= 4096 events fit a 1 MiB frame
+MAX_AGENT_METADATA_BYTES: Final = 64 << 10  # a UCX agent's is about 0.5 KiB
 
 Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
@@ -51,14 +60,23 @@ class Challenge(_Msg, tag="challenge"):
     mac: Mac
 
 
+class Transport(enum.Enum):
+    """How block bytes travel on a connection (bounded metrics label)."""
+
+    TCP = "tcp"
+    NIXL = "nixl"
+
+
 class Auth(_Msg, tag="auth"):
     mac: Mac
     namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
     block_bytes: int
+    transports: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # offered beyond TCP
 
 
 class Ready(_Msg, tag="ready"):
-    pass
+    transport: str = Transport.TCP.value
+    nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
 
 
 class Refused(_Msg, tag="refused"):
@@ -74,6 +92,22 @@ class Fetch(_Msg, tag="fetch"):
 class Blocks(_Msg, tag="blocks"):
     seq: int
     found: list[bool]
+
+
+class NixlBlocks(_Msg, tag="nixl_blocks"):
+    """The answer to a Fetch on a NIXL connection: for each found key, in order, where its
+    bytes lie in the source's registered pool and their checksum. Leased until FetchDone."""
+
+    seq: int
+    found: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    addresses: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class FetchDone(_Msg, tag="fetch_done"):
+    """The destination no longer reads the blocks of NixlBlocks `seq`: the source releases."""
+
+    seq: int
 
 
 class Inventory(_Msg, tag="inventory"):
@@ -117,8 +151,8 @@ class RefuseReason(enum.Enum):
     BUSY = "busy"
 
 
-ToServer = Hello | Auth | Fetch | Inventory | PostHint
-ToClient = Challenge | Ready | Refused | Blocks | InventoryReply | HintPosted
+ToServer = Hello | Auth | Fetch | FetchDone | Inventory | PostHint
+ToClient = Challenge | Ready | Refused | Blocks | NixlBlocks | InventoryReply | HintPosted
 
 _encoder = msgspec.msgpack.Encoder()
 _server_decoder = msgspec.msgpack.Decoder(ToServer)
@@ -129,12 +163,11 @@ def encode(message: _Msg) -> bytes:
     return frame(_encoder.encode(message))
 
 
-def decode_to_server(payload: bytes | bytearray) -> Hello | Auth | Fetch | Inventory | PostHint:
+def decode_to_server(payload: bytes | bytearray) -> ToServer:
     return _server_decoder.decode(payload)
 
 
-def decode_to_client(payload: bytes | bytearray
-                     ) -> Challenge | Ready | Refused | Blocks | InventoryReply | HintPosted:
+def decode_to_client(payload: bytes | bytearray) -> ToClient:
     return _client_decoder.decode(payload)
 
 

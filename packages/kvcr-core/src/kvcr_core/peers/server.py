@@ -1,10 +1,18 @@
-"""`PeerServer`: serves a Runner's READY blocks to authenticated peers over TCP.
+"""`PeerServer`: serves a Runner's READY blocks to authenticated peers, over TCP or NIXL.
 
 Threading: one accept thread, one thread per connection (bounded by `max_connections`; more
 are refused as busy), each blocking with an I/O deadline so a silent peer costs a thread for
-at most `io_timeout_s`. Blocks are leased while they are sent (never evicted mid-send) and
-sent straight from pool memory (no copy). The server keeps serving whatever happens to the
-engines attached to the same Runner (in kvcr-guard it lives in the daemon).
+at most `io_timeout_s`. Blocks are leased while they are sent or read (never evicted
+mid-transfer) and leave straight from pool memory (no copy). Each block's checksum is
+computed once per slot generation and reused (`SlotChecksums`). The server keeps serving
+whatever happens to the engines attached to the same Runner (in kvcr-guard it lives in the
+daemon).
+
+NIXL (when the destination offers it, this process has it running, and TLS is off): the pool
+region of a namespace is registered once; a Fetch is answered with the blocks' addresses and
+checksums, and the lease is held until the destination's FetchDone (or the connection ends).
+NIXL's progress thread is off, so while a NIXL peer may be connecting or reading, its
+connection thread drives progress between polls of the socket (backing off to 50 ms when idle).
 """
 
 from __future__ import annotations
@@ -12,23 +20,31 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
 import socket
 import threading
+import time
+from typing import Final
 
 import msgspec
 
 from kvcr_core.errors import UnknownNamespaceError
-from kvcr_core.framing import FrameError, recv_frame
+from kvcr_core.framing import FrameError, recv_frame, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
+from kvcr_core.peers.checksums import SlotChecksums
 from kvcr_core.peers.metrics import PeerMetrics
-from kvcr_core.peers.protocol import RefuseReason
+from kvcr_core.peers.nixl_transport import NixlEngine, NixlError, nixl_installed
+from kvcr_core.peers.protocol import RefuseReason, Transport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.peers")
 _PEER_OWNER_BASE = 1 << 40  # owner ids of peer connections never clash with guard clients
+_PROGRESS_MIN_S: Final = 0.0002
+_PROGRESS_MAX_S: Final = 0.05
+_SEND_GROUP_BYTES: Final = 1 << 20  # blocks per gather send (their checksums come first)
 
 
 class _Refuse(Exception):
@@ -39,20 +55,30 @@ class _Refuse(Exception):
 
 
 class PeerServer:
+    """Serves `runner`'s namespaces. `nixl=False` keeps every connection on TCP."""
+
     def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
-                 io_timeout_s: float = 30.0, tls: PeerTLS | None = None) -> None:
+                 io_timeout_s: float = 30.0, tls: PeerTLS | None = None,
+                 nixl: bool = True) -> None:
         self.runner = runner
         self.secret = secret
         self.metrics = metrics
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
         self._tls = tls.server_context() if tls is not None else None
+        # NIXL moves bytes outside the TLS channel, so TLS keeps everything on TCP.
+        self.nixl = NixlEngine.shared() if nixl and tls is None and nixl_installed() else None
+        if self.nixl is not None:
+            self.nixl.start()
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._owners = itertools.count(_PEER_OWNER_BASE)
+        self._sums: dict[NamespaceDigest, SlotChecksums] = {}  # one per namespace served
+        # namespace -> (pool address, pool bytes, the NIXL metadata a peer needs to read it)
+        self._registered: dict[NamespaceDigest, tuple[int, int, bytes]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvcr-peer-accept",
                                         daemon=True)
@@ -66,13 +92,19 @@ class PeerServer:
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread at once
+        with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
             conns = list(self._conns)
+            registered, self._registered = self._registered, {}
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
+        if self.nixl is not None:
+            for address, nbytes, _ in registered.values():
+                self.nixl.deregister(address, nbytes)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -101,16 +133,18 @@ class PeerServer:
         try:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)
-            store = self._handshake(conn)
+            store, nixl = self._handshake(conn)
             while True:
-                payload, _ = recv_frame(conn)
-                message = pp.decode_to_server(payload)
+                message = pp.decode_to_server(self._next_frame(conn, nixl))
                 if isinstance(message, pp.Inventory):
                     self._inventory(conn, message)
                 elif isinstance(message, pp.PostHint):
                     conn.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
                 elif isinstance(message, pp.Fetch) and store is not None:
-                    self._fetch(conn, store, message, owner)
+                    if nixl:
+                        self._fetch_nixl(conn, store, message, owner)
+                    else:
+                        self._fetch(conn, store, message, owner)
                 else:
                     raise _Refuse(RefuseReason.MALFORMED, "expected Fetch, Inventory or PostHint")
         except _Refuse as exc:
@@ -124,7 +158,8 @@ class PeerServer:
                 self._conns.discard(raw)
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> NamespaceStore | None:
+    def _handshake(self, conn: socket.socket) -> tuple[NamespaceStore | None, bool]:
+        """(the peer's namespace, or None for an inventory reader; whether it uses NIXL)."""
         hello = pp.decode_to_server(recv_frame(conn)[0])
         if not isinstance(hello, pp.Hello):
             raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
@@ -141,7 +176,7 @@ class PeerServer:
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
         if not auth.namespace:  # an inventory reader (a router)
             conn.sendall(pp.encode(pp.Ready()))
-            return None
+            return None, False
         if len(auth.namespace) != 16:
             raise _Refuse(RefuseReason.MALFORMED, "a namespace digest is 16 bytes")
         try:
@@ -152,23 +187,96 @@ class PeerServer:
         if store.block_bytes != auth.block_bytes:
             raise _Refuse(RefuseReason.NAMESPACE, f"blocks here are {store.block_bytes} bytes, "
                           f"the peer expects {auth.block_bytes}")
-        conn.sendall(pp.encode(pp.Ready()))
-        return store
+        region = self._nixl_region(store) if Transport.NIXL.value in auth.transports else None
+        nixl = region is not None
+        if region is not None:
+            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, region[2])))
+        else:
+            conn.sendall(pp.encode(pp.Ready()))
+        self.metrics.on_connection(Transport.NIXL if nixl else Transport.TCP)
+        return store, nixl
+
+    def _next_frame(self, conn: socket.socket, nixl: bool) -> bytearray:
+        """The next frame; on a NIXL connection, driving NIXL progress while waiting for it."""
+        if nixl and self.nixl is not None:
+            poller = select.poll()
+            poller.register(conn, select.POLLIN)
+            end = time.monotonic() + self.io_timeout_s
+            pause = _PROGRESS_MIN_S
+            while not poller.poll(pause * 1000):
+                self.nixl.progress()
+                if time.monotonic() >= end:
+                    raise TimeoutError("peer silent past the I/O deadline")
+                pause = min(pause * 2, _PROGRESS_MAX_S)
+        return recv_frame(conn)[0]
+
+    # -- requests ------------------------------------------------------------------------------
 
     def _fetch(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
                owner: OwnerId) -> None:
         lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
         try:
-            view = store.pool.view
+            view, sums, pack = store.pool.view, self._checksums(store).of, pp.CHECKSUM.pack
             slots = [s for s in lease.slots if s is not None]
-            conn.sendall(pp.encode(pp.Blocks(fetch.seq, [s is not None for s in lease.slots])))
-            for slot in slots:
-                data = view(slot)
-                conn.sendall(data)  # returns once queued: hash it while the kernel sends it
-                conn.sendall(pp.CHECKSUM.pack(pp.checksum(data)))
+            out: list[bytes | memoryview] = [
+                pp.encode(pp.Blocks(fetch.seq, [s is not None for s in lease.slots]))]
+            per_send = max(1, _SEND_GROUP_BYTES // store.block_bytes)
+            for start in range(0, len(slots), per_send):
+                for slot in slots[start:start + per_send]:
+                    out += (view(slot), pack(sums(slot)))
+                send_all(conn, out)  # few system calls, few wake-ups of the destination
+                out = []
+            if out:
+                send_all(conn, out)
             self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
         finally:
             store.release(lease.op)
+
+    def _fetch_nixl(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
+                    owner: OwnerId) -> None:
+        """Tells where the blocks lie; the destination READs them, then says FetchDone."""
+        region = self._nixl_region(store)
+        if region is None:
+            raise ConnectionAbortedError("the server is closing")
+        base = region[0]
+        lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
+        try:
+            offset, sums = store.pool.offset, self._checksums(store).of
+            slots = [s for s in lease.slots if s is not None]
+            conn.sendall(pp.encode(pp.NixlBlocks(
+                fetch.seq, [s is not None for s in lease.slots],
+                [base + offset(s) for s in slots], [sums(s) for s in slots])))
+            done = pp.decode_to_server(self._next_frame(conn, nixl=True))
+            if not isinstance(done, pp.FetchDone) or done.seq != fetch.seq:
+                raise _Refuse(RefuseReason.MALFORMED, f"expected FetchDone({fetch.seq})")
+            self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
+        finally:
+            store.release(lease.op)
+
+    def _nixl_region(self, store: NamespaceStore) -> tuple[int, int, bytes] | None:
+        """The namespace's pool address, size and NIXL metadata (registered once); None: use
+        TCP."""
+        if self.nixl is None or not self.nixl.ready():
+            return None
+        with self._lock:
+            registered = self._registered.get(store.digest)
+            if registered is None and not self._closed:
+                region = store.pool.region
+                try:
+                    metadata = self.nixl.register(region.address, region.size_bytes)
+                except NixlError as exc:
+                    log.warning("peers of %s use TCP: %s", store.digest.hex(), exc)
+                    return None
+                registered = self._registered[store.digest] = (region.address,
+                                                               region.size_bytes, metadata)
+            return registered
+
+    def _checksums(self, store: NamespaceStore) -> SlotChecksums:
+        sums = self._sums.get(store.digest)
+        if sums is None:
+            with self._lock:
+                sums = self._sums.setdefault(store.digest, SlotChecksums(store))
+        return sums
 
     def _inventory(self, conn: socket.socket, request: pp.Inventory) -> None:
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)

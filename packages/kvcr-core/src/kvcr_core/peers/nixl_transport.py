@@ -1,0 +1,304 @@
+"""The NIXL seam: the only module that imports nixl, and only when a peer asks for it.
+
+`NixlEngine.shared()` is the process's one NIXL agent (UCX backend, DRAM only), shared by the
+`PeerServer` and every `PeerClient` of the process. It is started once, in the background
+(`start()`: importing nixl and creating the agent take about a second and hold the GIL for
+part of it); until it is ready, peers use TCP. Pool regions are registered once each
+(reference-counted); remote agents are loaded from metadata received on an authenticated
+peer connection (never from the network on their own) and dropped with their last
+connection. Transfers are destination-initiated READs from a source's leased slots into
+locally reserved slots.
+
+Threading: NIXL's own progress thread is OFF (research/transport.md F1: on 2 cores it burns a
+core and halves throughput), and so is its listener thread; nothing here starts a thread
+except the one-shot starter. Callers drive progress: a reader polls its transfer; a source
+calls `progress()` while a peer may be connecting or reading. Every call into the agent is
+serialised by one lock (the agent runs in NIXL_THREAD_SYNC_NONE mode). On one host UCX
+copies with cma (one kernel copy, inside `transfer()`, holding the GIL), so readers move at
+most `chunk_bytes` per `read` and the GIL is free between chunks.
+
+Flavours: nixl ships per-CUDA wheels (nixl_cu12, nixl_cu13) behind the `nixl` meta package,
+which imports torch to choose on CPU-only hosts (seconds). A flavour already imported in this
+process wins (two cannot share a process); with a CUDA torch build the meta package picks;
+otherwise the first installed flavour in the meta package's own order is imported directly.
+UCX reads its UCX_* environment variables at agent creation (e.g. `UCX_TLS=tcp` to force the
+network path between namespaces of one host; see docs/peers.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import importlib.util
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvcr_core.errors import KVCRError
+
+log = logging.getLogger("kvcr_core.peers")
+_FLAVOURS = ("nixl_cu13", "nixl_cu12")  # the meta package's own order when no CUDA is found
+_POLL_MAX_S = 0.001
+
+
+class NixlError(KVCRError):
+    """NIXL could not start, register memory, or complete a transfer (the peer falls back to
+    TCP, or the blocks of the failed transfer are dropped unpublished)."""
+
+
+class NixlRequestRefused(NixlError):
+    """NIXL refused a read before moving anything: the source named addresses outside what it
+    registered (the source's fault), or its agent is not loaded here."""
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL wheel is importable here (checked without importing it)."""
+    return any(importlib.util.find_spec(name) is not None for name in (*_FLAVOURS, "nixl"))
+
+
+def _torch_cuda_build() -> bool:
+    """Whether the installed torch is a CUDA build, read from its version.py (no import)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = version.read_text()
+    except OSError:
+        return False
+    return re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]\d", text, re.MULTILINE) is not None
+
+
+def _load_api() -> Any:
+    for name in ("nixl._api", *(f"{flavour}._api" for flavour in _FLAVOURS)):
+        if name in sys.modules:
+            return sys.modules[name]
+    if "torch" in sys.modules or _torch_cuda_build():
+        return importlib.import_module("nixl._api")
+    for flavour in _FLAVOURS:
+        if importlib.util.find_spec(flavour) is not None:
+            return importlib.import_module(f"{flavour}._api")
+    return importlib.import_module("nixl._api")
+
+
+def _quiet_nixl_logger() -> None:
+    """nixl logs INFO to stdout; stdout belongs to the application (e.g. `--json`)."""
+    nixl_log = logging.getLogger("nixl")
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
+    for handler in nixl_log.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+class EngineState(enum.Enum):
+    IDLE = "idle"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class NixlEngine:
+    """One NIXL agent for the process; see the module docstring."""
+
+    _shared: ClassVar[NixlEngine | None] = None
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, chunk_bytes: int = 1 << 20) -> None:
+        self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
+        self.chunk_bytes = chunk_bytes
+        self.state = EngineState.IDLE
+        self.failure = ""
+        self._agent: Any = None
+        self._lock = threading.Lock()  # every call into the agent
+        self._ready = threading.Event()
+        # (address, bytes) -> (users, registration, the metadata a peer needs to read it)
+        self._regions: dict[tuple[int, int], tuple[int, Any, bytes]] = {}
+        self._peers: dict[str, int] = {}  # remote agent name -> connections using it
+
+    @classmethod
+    def shared(cls) -> NixlEngine:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = NixlEngine()
+            return cls._shared
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, *, wait: bool = False) -> bool:
+        """Starts the agent once (in a one-shot thread unless `wait`); returns whether ready.
+        Never raises: a failure is logged once and leaves `state` FAILED (peers use TCP)."""
+        with self._lock:
+            starting = self.state is EngineState.IDLE
+            if starting:
+                self.state = EngineState.STARTING
+        if starting and wait:
+            self._start()
+        elif starting:
+            threading.Thread(target=self._start, name="kvcr-nixl-start", daemon=True).start()
+        return self.ready()
+
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        self.start()
+        self._ready.wait(timeout_s)
+        return self.ready()
+
+    def _start(self) -> None:
+        try:
+            api = _load_api()
+            _quiet_nixl_logger()
+            config = api.nixl_agent_config(enable_prog_thread=False,
+                                           enable_listen_thread=False, backends=[])
+            agent = api.nixl_agent(self.name, config)
+            agent.create_backend("UCX", {})
+        except Exception as exc:  # ImportError, or any nixl/UCX error: TCP it is
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.state = EngineState.FAILED
+            log.warning("NIXL unavailable, peers use TCP: %s", self.failure)
+        else:
+            with self._lock:
+                self._agent = agent
+                self.state = EngineState.READY
+        finally:
+            self._ready.set()
+
+    # -- memory and peers ----------------------------------------------------------------------
+
+    def register(self, address: int, nbytes: int) -> bytes:
+        """Registers [address, address + nbytes) as DRAM (once; counted per caller). Returns
+        the agent metadata a peer needs to read that region (and no other)."""
+        with self._lock:
+            agent = self._require()
+            users, registration, metadata = self._regions.get((address, nbytes), (0, None, b""))
+            if registration is None:
+                try:
+                    registration = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+                    metadata = bytes(agent.get_partial_agent_metadata(registration,
+                                                                      inc_conn_info=True))
+                except Exception as exc:
+                    raise NixlError(f"registering {nbytes} bytes failed: {exc}") from exc
+            self._regions[address, nbytes] = (users + 1, registration, metadata)
+            return metadata
+
+    def deregister(self, address: int, nbytes: int) -> None:
+        """Drops one caller's registration; the region is deregistered with the last one (do
+        this before unmapping it)."""
+        with self._lock:
+            users, registration, metadata = self._regions.get((address, nbytes), (0, None, b""))
+            if registration is None:
+                return
+            if users > 1:
+                self._regions[address, nbytes] = (users - 1, registration, metadata)
+                return
+            del self._regions[address, nbytes]
+            with contextlib.suppress(Exception):
+                self._require().deregister_memory(registration)
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Loads a source's agent metadata (from its authenticated Ready); returns its name.
+        Reading from this very process's agent needs no metadata (loopback)."""
+        with self._lock:
+            agent = self._require()
+            if any(metadata == own for _, _, own in self._regions.values()):
+                return self.name
+            try:
+                name = agent.add_remote_agent(metadata)
+            except Exception as exc:
+                raise NixlError(f"peer agent metadata refused: {exc}") from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers[name] = self._peers.get(name, 0) + 1
+            return name
+
+    def drop_peer(self, name: str) -> None:
+        """One connection to `name` is gone; the agent is unloaded with the last one."""
+        with self._lock:
+            users = self._peers.get(name, 0)
+            if users > 1:
+                self._peers[name] = users - 1
+                return
+            if self._peers.pop(name, None) is not None and self._agent is not None:
+                # the connection's name may be our own (loopback): nothing was loaded then
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+
+    def progress(self) -> None:
+        """Drives UCX progress (connection set-up, keep-alives) on a source's behalf."""
+        if self._agent is None:
+            return
+        with self._lock, contextlib.suppress(Exception):
+            self._agent.get_new_notifs()
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    def read(self, peer: str, local: Sequence[int], remote: Sequence[int], nbytes: int,
+             deadline: float) -> None:
+        """READs `nbytes` from each `remote[i]` of agent `peer` into `local[i]`, all at once.
+
+        Raises TimeoutError past `deadline` (the request is cancelled first) and NixlError if
+        NIXL refuses the request (e.g. addresses outside the source's registration) or the
+        transfer fails (the source died)."""
+        with self._lock:
+            agent = self._require()
+            try:
+                handle = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs([(a, nbytes, 0) for a in local], "DRAM"),
+                    agent.get_xfer_descs([(a, nbytes, 0) for a in remote], "DRAM"), peer)
+            except Exception as exc:
+                raise NixlRequestRefused(f"transfer request refused: {exc}") from exc
+        try:
+            state = self._post(agent, handle)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("deadline passed during a NIXL read")
+                time.sleep(pause)  # yields the GIL and the core; UCX progresses in check
+                pause = min(_POLL_MAX_S, pause * 2 or 2e-5)
+                with self._lock:
+                    state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise NixlError(f"NIXL read from {peer} failed")
+        finally:
+            self._release(agent, handle, peer)
+
+    def _post(self, agent: Any, handle: Any) -> str:
+        with self._lock:
+            try:
+                return str(agent.transfer(handle))
+            except Exception as exc:
+                raise NixlError(f"posting a transfer failed: {exc}") from exc
+
+    def _release(self, agent: Any, handle: Any, peer: str) -> None:
+        with self._lock:
+            try:
+                agent.release_xfer_handle(handle)
+                return
+            except Exception as exc:
+                log.warning("cancelling a NIXL read from %s failed (%s); disconnecting", peer,
+                            exc)
+            # Still in flight and not cancellable: disconnecting the peer ends the request
+            # before the caller frees the slots it was writing into.
+            with contextlib.suppress(Exception):
+                agent.remove_remote_agent(peer)
+            self._peers.pop(peer, None)
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception as exc:
+                raise NixlError(f"a NIXL read from {peer} could not be cancelled: {exc}"
+                                ) from exc
+
+    def _require(self) -> Any:
+        if self._agent is None:
+            raise NixlError(f"NIXL is not running ({self.state.value}{': ' if self.failure else ''}"
+                            f"{self.failure})")
+        return self._agent
