@@ -195,3 +195,22 @@ def test_settle_publishes_only_the_intact_blocks() -> None:
     assert idx.contains(keys) == [True, False, True]
     assert idx.free_slots == 2 and idx.filling_blocks == 0
     assert idx.settle(res.op, keys) == (0, 0)  # settled ops are gone
+
+
+def test_a_slots_generation_changes_with_every_reservation_and_only_then() -> None:
+    """Whatever is derived from a READY slot's bytes (a peer source's cached checksum) can
+    trust the slot's generation: every reservation, evicting ones too, bumps it; reads don't."""
+    idx = make(capacity=1)
+    first, second = random_keys(2)
+    res = idx.reserve([first])
+    slot = res.slots[0]
+    assert slot is not None and idx.generation(slot) == 1
+    idx.commit(res.op)
+    lease = idx.acquire([first])
+    assert idx.generation(slot) == 1  # leased reads change nothing
+    idx.release(lease.op)
+    res = idx.reserve([second])  # evicts `first`, reuses its slot
+    assert res.slots == (slot,) and idx.generation(slot) == 2
+    idx.abort(res.op)
+    assert idx.generation(slot) == 2 and idx.reserve([first]).slots == (slot,)
+    assert idx.generation(slot) == 3

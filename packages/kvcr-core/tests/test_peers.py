@@ -4,31 +4,27 @@ when nixl is not installed: pip install 'kvcr-core[nixl]')."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
-from kvcr_core.framing import recv_frame
-from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer, PeerTLS
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.checksums import SlotChecksums
 from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.testing import network_namespaces, pattern_block, random_keys
+from kvcr_core.testing import FakePeerSource, network_namespaces, pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
 
 SECRET = PeerSecret(b"correct horse battery staple!!")
@@ -127,89 +123,16 @@ def test_other_namespace_is_refused(source, transport) -> None:
     assert server.metrics.refused["namespace"] == 1
 
 
-class FakeSource:
-    """A peer that authenticates correctly, then misbehaves as told, over `transport` (NIXL:
-    its blocks lie in a region of this process's agent, which the client reads as loopback)."""
-
-    def __init__(self, behaviour: str, transport: Transport = Transport.TCP) -> None:
-        self.behaviour = behaviour
-        self.nixl = transport is Transport.NIXL
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.release = threading.Event()
-        self.done = threading.Event()
-        self.region = HostRegion.create(16 * BLOCK, RegionKind.ANONYMOUS)
-        self.metadata = (NixlEngine.shared().register(self.region.address, self.region.size_bytes)
-                         if self.nixl else b"")
-        threading.Thread(target=self.run, daemon=True).start()
-
-    def close(self) -> None:
-        if self.nixl:
-            NixlEngine.shared().deregister(self.region.address, self.region.size_bytes)
-
-    def run(self) -> None:
-        conn, _ = self.listener.accept()
-        hello = pp.decode_to_server(recv_frame(conn)[0])
-        nonce = os.urandom(32)
-        conn.sendall(pp.encode(pp.Challenge(1, nonce, SECRET.prove(b"server", nonce,
-                                                                    hello.nonce))))
-        recv_frame(conn)
-        conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, self.metadata) if self.nixl
-                               else pp.Ready()))
-        fetch = pp.decode_to_server(recv_frame(conn)[0])
-        blocks = [pattern_block(k, BLOCK) for k in fetch.keys]
-        sums = [pp.checksum(b) for b in blocks]
-        if self.behaviour == "wrong_bytes":
-            blocks[1] = bytes(BLOCK)  # claims the checksum of the right bytes
-        if self.nixl:
-            self.serve_nixl(conn, fetch, blocks, sums)
-        else:
-            self.serve_tcp(conn, fetch, blocks, sums)
-        self.release.wait(30)
-        conn.close()
-
-    def serve_tcp(self, conn: socket.socket, fetch: pp.Fetch, blocks: list[bytes],
-                  sums: list[int]) -> None:
-        conn.sendall(pp.encode(pp.Blocks(fetch.seq, [True] * len(blocks))))
-        if self.behaviour in ("stall", "die"):
-            conn.sendall(blocks[0] + pp.CHECKSUM.pack(sums[0]) + blocks[1][:100])
-            if self.behaviour == "die":
-                conn.close()
-            return
-        for b, c in zip(blocks, sums, strict=True):
-            conn.sendall(b + pp.CHECKSUM.pack(c))
-
-    def serve_nixl(self, conn: socket.socket, fetch: pp.Fetch, blocks: list[bytes],
-                   sums: list[int]) -> None:
-        if self.behaviour == "die":
-            conn.close()  # gone before saying where the blocks are
-            return
-        if self.behaviour == "stall":
-            self.release.wait(30)  # says nothing until released
-        addresses = [self.region.address + i * BLOCK for i in range(len(blocks))]
-        for i, block in enumerate(blocks):
-            self.region.view[i * BLOCK:(i + 1) * BLOCK] = block
-        if self.behaviour == "outside":
-            addresses[1] = self.region.address + self.region.size_bytes  # not registered
-        with contextlib.suppress(OSError):
-            conn.sendall(pp.encode(pp.NixlBlocks(fetch.seq, [True] * len(blocks), addresses,
-                                                 sums)))
-            done = pp.decode_to_server(recv_frame(conn)[0])
-            assert done == pp.FetchDone(fetch.seq)
-            self.done.set()
-
-
 @pytest.fixture
-def fake(transport: Transport) -> Iterator[type[FakeSource]]:
-    made: list[FakeSource] = []
+def fake(transport: Transport) -> Iterator[Callable[[str], FakePeerSource]]:
+    made: list[FakePeerSource] = []
 
-    def make(behaviour: str) -> FakeSource:
-        made.append(FakeSource(behaviour, transport))
+    def make(behaviour: str) -> FakePeerSource:
+        made.append(FakePeerSource(SECRET, BLOCK, behaviour, transport))
         return made[-1]
 
-    yield make  # type: ignore[misc]
+    yield make
     for one in made:
-        one.release.set()
         one.close()
 
 

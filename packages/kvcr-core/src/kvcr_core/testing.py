@@ -6,7 +6,10 @@
 - `RaisingPolicy`: an eviction policy whose every hook raises, to prove the index survives.
 - `network_namespaces`: two throwaway network namespaces joined by a veth pair (root only),
   the "two hosts" of peer tests and benchmarks.
-Pure and thread-safe, except `network_namespaces` (creates and removes system state).
+- `FakePeerSource`: a peer source that authenticates correctly, then misbehaves as told
+  (wrong bytes, silence, death, NIXL addresses it never registered), over TCP or NIXL.
+Pure and thread-safe, except `network_namespaces` (creates and removes system state) and
+`FakePeerSource` (a listening socket and one thread, ended by `close`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ import hashlib
 import os
 import random
 import shutil
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 
+from kvcr_core.framing import recv_frame
+from kvcr_core.memory import HostRegion, RegionKind
+from kvcr_core.peers import protocol as pp
+from kvcr_core.peers.auth import PeerSecret
+from kvcr_core.peers.nixl_transport import NixlEngine
+from kvcr_core.peers.protocol import Transport
 from kvcr_core.types import KEY_BYTES, BlockKey, SlotId
 
 
@@ -92,3 +103,82 @@ def network_namespaces(tag: str, subnet: int) -> Iterator[tuple[str, str, str] |
         yield a, b, f"10.201.{subnet}.1"
     finally:
         remove()
+
+
+class FakePeerSource:
+    """A peer source that authenticates with `secret`, then misbehaves as `behaviour` says:
+    "ok", "wrong_bytes" (block 1's bytes are zeros under the right checksum), "stall" (TCP:
+    falls silent inside block 1; NIXL: answers nothing until `release`), "die" (TCP: closes
+    inside block 1; NIXL: closes before answering), "outside" (NIXL: names an address past its
+    registered region). Over NIXL its blocks lie in a region of this process's agent (the
+    client reads them as loopback). Serves one connection and one fetch."""
+
+    def __init__(self, secret: PeerSecret, block_bytes: int, behaviour: str,
+                 transport: Transport = Transport.TCP, max_blocks: int = 16) -> None:
+        self.secret = secret
+        self.block_bytes = block_bytes
+        self.behaviour = behaviour
+        self.nixl = transport is Transport.NIXL
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.release = threading.Event()
+        self.region = HostRegion.create(max_blocks * block_bytes, RegionKind.ANONYMOUS)
+        self.metadata = (NixlEngine.shared().register(self.region.address, self.region.size_bytes)
+                         if self.nixl else b"")
+        threading.Thread(target=self._run, name="kvcr-fake-peer", daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.close()
+        if self.nixl:
+            NixlEngine.shared().deregister(self.region.address, self.region.size_bytes)
+
+    def _run(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn, contextlib.suppress(OSError):
+            hello = pp.decode_to_server(recv_frame(conn)[0])
+            assert isinstance(hello, pp.Hello)
+            nonce = os.urandom(32)
+            conn.sendall(pp.encode(pp.Challenge(1, nonce, self.secret.prove(b"server", nonce,
+                                                                             hello.nonce))))
+            recv_frame(conn)
+            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, self.metadata) if self.nixl
+                                   else pp.Ready()))
+            fetch = pp.decode_to_server(recv_frame(conn)[0])
+            assert isinstance(fetch, pp.Fetch)
+            blocks = [pattern_block(k, self.block_bytes) for k in fetch.keys]
+            sums = [pp.checksum(b) for b in blocks]
+            if self.behaviour == "wrong_bytes":
+                blocks[1] = bytes(self.block_bytes)  # claims the checksum of the right bytes
+            if self.nixl:
+                self._serve_nixl(conn, fetch.seq, blocks, sums)
+            else:
+                self._serve_tcp(conn, fetch.seq, blocks, sums)
+            self.release.wait(30)
+
+    def _serve_tcp(self, conn: socket.socket, seq: int, blocks: list[bytes],
+                   sums: list[int]) -> None:
+        conn.sendall(pp.encode(pp.Blocks(seq, [True] * len(blocks))))
+        if self.behaviour in ("stall", "die"):
+            conn.sendall(blocks[0] + pp.CHECKSUM.pack(sums[0]) + blocks[1][:100])
+            if self.behaviour == "die":
+                conn.shutdown(socket.SHUT_RDWR)
+            return
+        for block, value in zip(blocks, sums, strict=True):
+            conn.sendall(block + pp.CHECKSUM.pack(value))
+
+    def _serve_nixl(self, conn: socket.socket, seq: int, blocks: list[bytes],
+                    sums: list[int]) -> None:
+        if self.behaviour == "die":
+            conn.shutdown(socket.SHUT_RDWR)  # gone before saying where the blocks are
+            return
+        if self.behaviour == "stall":
+            self.release.wait(30)  # says nothing until released
+        size = self.block_bytes
+        for i, block in enumerate(blocks):
+            self.region.view[i * size:(i + 1) * size] = block
+        addresses = [self.region.address + i * size for i in range(len(blocks))]
+        if self.behaviour == "outside":
+            addresses[1] = self.region.address + self.region.size_bytes  # not registered
+        conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses, sums)))
+        pp.decode_to_server(recv_frame(conn)[0])  # FetchDone

@@ -1,0 +1,133 @@
+"""The NIXL transport's own rules: chosen only when both sides have it, never with TLS, never
+trusted beyond what the source registered; the seam loads nixl only when asked. (The peer
+contract tests run over NIXL too, in test_peers.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig
+from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
+from kvcr_core.peers.protocol import Transport
+from kvcr_core.runner import NamespaceStore, Runner
+from kvcr_core.testing import FakePeerSource, pattern_block, random_keys
+from kvcr_core.types import NamespaceDigest
+
+if not nixl_installed():
+    pytest.skip("nixl is not installed (pip install 'kvcr-core[nixl]')", allow_module_level=True)
+
+SECRET = PeerSecret(b"correct horse battery staple!!")
+NS = NamespaceDigest(b"peer-test-ns-v1!")
+BLOCK = 16384
+
+
+def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
+    registry = CollectorRegistry()
+    runner = Runner(KVCRConfig(pool_bytes=(blocks + 8) * BLOCK), registry=registry)
+    return runner, runner.open_namespace(NS, BLOCK), PeerMetrics(registry)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine() -> NixlEngine:
+    shared = NixlEngine.shared()
+    assert shared.wait_ready(120), f"nixl is installed but did not start: {shared.failure}"
+    return shared
+
+
+@pytest.mark.parametrize("client_nixl,server_nixl", [(True, False), (False, True), (True, True)])
+def test_nixl_is_chosen_only_when_both_sides_have_it(client_nixl, server_nixl) -> None:
+    """Either side without NIXL (an older kvcr, or turned off) means TCP; both: NIXL."""
+    runner, store, metrics = node()
+    keys = random_keys(4, seed=21)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics, nixl=server_nixl)
+    _, dest, dmetrics = node()
+    peer = PeerClient(dest, SECRET, dmetrics, nixl=client_nixl)
+    result = peer.fetch(server.endpoint, keys, deadline_s=10)
+    both = client_nixl and server_nixl
+    assert result.statuses == (FetchStatus.OK,) * 4
+    assert result.transport is (Transport.NIXL if both else Transport.TCP)
+    assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    assert metrics.connections == {"tcp": 0 if both else 1, "nixl": 1 if both else 0}
+    peer.close()
+    server.close()
+
+
+def test_a_source_naming_unregistered_memory_gets_nothing_published() -> None:
+    """A source that points a NIXL read outside the memory it registered is refused by NIXL
+    before anything moves: the blocks fail as a protocol error and none becomes READY."""
+    source = FakePeerSource(SECRET, BLOCK, "outside", Transport.NIXL)
+    _, store, metrics = node()
+    keys = random_keys(3, seed=22)
+    result = PeerClient(store, SECRET, metrics).fetch(source.endpoint, keys, deadline_s=5)
+    assert set(result.statuses) == {FetchStatus.PROTOCOL} and "refused" in result.detail
+    assert store.lookup(keys) == 0 and store.index.filling_blocks == 0
+    source.close()
+
+
+def test_pools_are_registered_once_and_released_with_their_last_user(engine) -> None:
+    """Servers and clients of one process share the agent: a pool registered by both is
+    registered once, and deregistered when the last of them closes."""
+    runner, store, metrics = node()
+    region = (store.pool.region.address, store.pool.region.size_bytes)
+
+    def users() -> int:  # counted from what unclosed peers of earlier tests may have left
+        return int(engine._regions.get(region, (0,))[0]) - leftover
+
+    leftover = 0
+    leftover = users()
+    keys = random_keys(2, seed=23)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics)
+    local = PeerClient(store, SECRET, metrics)  # this pool is also a fetch target
+    _, dest, dmetrics = node()
+    remote = PeerClient(dest, SECRET, dmetrics)
+    assert remote.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
+    assert users() == 1
+    assert local._nixl_ready(server.endpoint)  # registers the same pool as a fetch target
+    assert users() == 2
+    server.close()
+    assert users() == 1
+    local.close()
+    assert users() == 0
+    remote.close()
+
+
+def test_nixl_loads_only_when_a_peer_asks_for_it() -> None:
+    """Importing the peers package, and TCP-only peers, never import nixl (or torch)."""
+    code = (
+        "import sys\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from kvcr_core.config import KVCRConfig\n"
+        "from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer\n"
+        "from kvcr_core.runner import Runner\n"
+        "r = Runner(KVCRConfig(pool_bytes=1 << 20))\n"
+        "s = r.open_namespace(b'x' * 16, 4096)\n"
+        "m = PeerMetrics(CollectorRegistry())\n"
+        "server = PeerServer(r, PeerSecret(b'y' * 32), m, nixl=False)\n"
+        "client = PeerClient(s, PeerSecret(b'y' * 32), m, nixl=False)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in "
+        "('nixl', 'nixl_cu12', 'nixl_cu13', 'torch')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None:
+    """A TCP-only server (nixl=False) in a process whose clients use NIXL elsewhere does not
+    register its pool: only what a NIXL connection needs is ever exposed."""
+    runner, store, metrics = node()
+    server = PeerServer(runner, SECRET, metrics, nixl=False)
+    _, dest, dmetrics = node()
+    keys = random_keys(1, seed=24)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    result = PeerClient(dest, SECRET, dmetrics).fetch(server.endpoint, keys, deadline_s=10)
+    assert result.transport is Transport.TCP
+    region = (store.pool.region.address, store.pool.region.size_bytes)
+    assert region not in NixlEngine.shared()._regions
+    server.close()
