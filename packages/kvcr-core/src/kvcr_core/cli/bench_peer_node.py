@@ -2,10 +2,10 @@
 
 source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (TCP only, or
   NIXL), plus a raw control socket for the baselines: `R first count` streams the slot bytes
-  of those blocks with plain `sendall` (the raw TCP baseline); `S` stores every block again
-  (new slot generations, so the next kvcr fetch recomputes every source checksum: "cold") and
-  answers with the blocks' addresses (the raw NIXL baseline reads them). With NIXL its main
-  thread drives NIXL progress (the progress thread is off).
+  of those blocks, gathered 1 MiB per `sendmsg` as the server does (the raw TCP baseline);
+  `S` stores every block again (new slot generations, so the next kvcr fetch recomputes every
+  source checksum: "cold") and answers with the blocks' addresses (the raw NIXL baseline
+  reads them). With NIXL its main thread drives NIXL progress (the progress thread is off).
 destination: times, alternating within each repetition, the raw baseline into a plain
   page-aligned region, a cold kvcr fetch and a warm one into its pool's reserved slots (64
   blocks per fetch), then one-block operations; prints one JSON row.
@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
-from kvcr_core.framing import recv_exact_into
+from kvcr_core.framing import recv_exact_into, send_all
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.peers.nixl_transport import NixlEngine
@@ -85,10 +85,11 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
                     reply = json.dumps(_addresses(store, keys)).encode()
                     conn.sendall(_LEN.pack(len(reply)) + reply)
                     continue
-                for key in keys[first:first + count]:
-                    slot = store.index.slot_of(key)
-                    assert slot is not None
-                    conn.sendall(view(slot))
+                slots = [store.index.slot_of(k) for k in keys[first:first + count]]
+                per_send = max(1, (1 << 20) // block_bytes)  # gathered like the kvcr server's
+                for start in range(0, count, per_send):
+                    send_all(conn, [view(s) for s in slots[start:start + per_send]
+                                    if s is not None])
 
     def accept_raw() -> None:
         while True:
