@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -55,6 +56,32 @@ def test_nixl_is_chosen_only_when_both_sides_have_it(client_nixl, server_nixl) -
     assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     assert metrics.connections == {"tcp": 0 if both else 1, "nixl": 1 if both else 0}
     peer.close()
+    server.close()
+
+
+def test_a_pooled_tcp_connection_moves_to_nixl_once_both_sides_have_it() -> None:
+    """A connection made while NIXL was not running on one side (e.g. still starting) is not
+    kept forever: once both have it, the next fetch connects again over NIXL; a peer that
+    answered TCP is asked again only after a while."""
+    runner, store, metrics = node()
+    keys = random_keys(4, seed=25)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(runner, SECRET, metrics)
+    _, dest, dmetrics = node()
+    peer = PeerClient(dest, SECRET, dmetrics)
+    peer._tcp_until[server.endpoint] = time.monotonic() + 0.3  # as if NIXL were starting
+    assert peer.fetch(server.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
+    time.sleep(0.3)
+    assert peer.fetch(server.endpoint, keys[2:], deadline_s=10).transport is Transport.NIXL
+    assert metrics.connections == {"tcp": 1, "nixl": 1}
+    tcp_only = PeerServer(runner, SECRET, metrics, nixl=False)
+    with dest.lock:
+        dest.index.discard(keys)
+    assert peer.fetch(tcp_only.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
+    assert peer.fetch(tcp_only.endpoint, keys[2:], deadline_s=10).transport is Transport.TCP
+    assert metrics.connections == {"tcp": 2, "nixl": 1}  # the TCP answer was remembered
+    peer.close()
+    tcp_only.close()
     server.close()
 
 
@@ -122,12 +149,14 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
     """A TCP-only server (nixl=False) in a process whose clients use NIXL elsewhere does not
     register its pool: only what a NIXL connection needs is ever exposed."""
     runner, store, metrics = node()
+    region = (store.pool.region.address, store.pool.region.size_bytes)
+    regions = NixlEngine.shared()._regions
+    before = regions.get(region, (0,))[0]  # unclosed peers of earlier tests may have left some
     server = PeerServer(runner, SECRET, metrics, nixl=False)
     _, dest, dmetrics = node()
     keys = random_keys(1, seed=24)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
     result = PeerClient(dest, SECRET, dmetrics).fetch(server.endpoint, keys, deadline_s=10)
     assert result.transport is Transport.TCP
-    region = (store.pool.region.address, store.pool.region.size_bytes)
-    assert region not in NixlEngine.shared()._regions
+    assert regions.get(region, (0,))[0] == before
     server.close()

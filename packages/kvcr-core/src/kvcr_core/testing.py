@@ -109,8 +109,8 @@ class FakePeerSource:
     """A peer source that authenticates with `secret`, then misbehaves as `behaviour` says:
     "ok", "wrong_bytes" (block 1's bytes are zeros under the right checksum), "stall" (TCP:
     falls silent inside block 1; NIXL: answers nothing until `release`), "die" (TCP: closes
-    inside block 1; NIXL: closes before answering), "outside" (NIXL: names an address past its
-    registered region). Over NIXL its blocks lie in a region of this process's agent (the
+    inside block 1; NIXL: closes before answering), "outside" (NIXL: names an address nobody
+    registered). Over NIXL its blocks lie in a region of this process's agent (the
     client reads them as loopback). Serves one connection and one fetch."""
 
     def __init__(self, secret: PeerSecret, block_bytes: int, behaviour: str,
@@ -179,6 +179,6 @@ class FakePeerSource:
             self.region.view[i * size:(i + 1) * size] = block
         addresses = [self.region.address + i * size for i in range(len(blocks))]
         if self.behaviour == "outside":
-            addresses[1] = self.region.address + self.region.size_bytes  # not registered
+            addresses[1] = 1 << 12  # the second page of the address space: never registered
         conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses, sums)))
         pp.decode_to_server(recv_frame(conn)[0])  # FetchDone

@@ -46,6 +46,8 @@ from kvcr_core.types import BlockKey, SlotId
 
 _MAX_IDLE_PER_PEER = 4
 _MAX_KNOWN_PEERS = 256
+_TCP_ANSWER_BACKOFF_S = 30.0  # a peer that answered an offer of NIXL with TCP: ask again later
+_NIXL_FAILURE_BACKOFF_S = 300.0  # a peer whose NIXL metadata did not load here
 
 
 class PeerRefused(ConnectionError):
@@ -148,7 +150,7 @@ class PeerClient:
             self.nixl.start()
         self._nixl_region: int | None = None  # our pool's address, once registered
         self._nixl_failed = False
-        self._tcp_only: set[str] = set()  # endpoints where NIXL could not be set up
+        self._tcp_until: dict[str, float] = {}  # endpoint -> when to offer it NIXL again
         self._valid: set[str] = set()  # endpoints already parsed
         self._idle: dict[str, list[_Connection]] = {}
         self._lock = threading.Lock()
@@ -326,9 +328,11 @@ class PeerClient:
     def _checkout(self, endpoint: str, deadline: float) -> _Connection:
         with self._lock:
             idle = self._idle.get(endpoint)
-            if idle:
-                return idle.pop()
-        return self._connect(endpoint, deadline)
+            conn = idle.pop() if idle else None
+        if conn is not None and conn.transport is Transport.TCP and self._nixl_ready(endpoint):
+            self._drop(conn)  # made before NIXL was running here: connect again, offering it
+            conn = None
+        return conn if conn is not None else self._connect(endpoint, deadline)
 
     def _checkin(self, endpoint: str, conn: _Connection) -> None:
         with self._lock:
@@ -361,25 +365,31 @@ class PeerClient:
                 try:
                     conn.nixl_peer = self.nixl.add_peer(ready.nixl_agent)
                 except NixlError:
-                    with self._lock:
-                        if len(self._tcp_only) >= _MAX_KNOWN_PEERS:
-                            self._tcp_only.clear()
-                        self._tcp_only.add(endpoint)
+                    self._offer_later(endpoint, _NIXL_FAILURE_BACKOFF_S)
                     sock.close()
                     return self._connect(endpoint, deadline)  # again, offering TCP only
                 conn.transport = Transport.NIXL
             elif ready.transport != Transport.TCP.value:
                 raise FrameError(f"the peer chose transport {ready.transport!r}, not offered")
+            elif offer:  # the peer has no NIXL (yet): keep TCP for a while
+                self._offer_later(endpoint, _TCP_ANSWER_BACKOFF_S)
             return conn
         except BaseException:
             with contextlib.suppress(OSError):
                 sock.close()
             raise
 
+    def _offer_later(self, endpoint: str, backoff_s: float) -> None:
+        with self._lock:
+            if len(self._tcp_until) >= _MAX_KNOWN_PEERS:
+                self._tcp_until.clear()
+            self._tcp_until[endpoint] = time.monotonic() + backoff_s
+
     def _nixl_ready(self, endpoint: str) -> bool:
-        """Whether to offer NIXL: running here, our pool registered, not failed with `endpoint`."""
+        """Whether to offer NIXL to `endpoint`: running here, our pool registered, and the peer
+        neither answered an offer with TCP nor failed to load lately."""
         if (self.nixl is None or not self.nixl.ready() or self._nixl_failed
-                or endpoint in self._tcp_only):
+                or time.monotonic() < self._tcp_until.get(endpoint, 0.0)):
             return False
         with self._lock:
             if self._nixl_region is None:

@@ -245,9 +245,12 @@ class NixlEngine:
              deadline: float) -> None:
         """READs `nbytes` from each `remote[i]` of agent `peer` into `local[i]`, all at once.
 
-        Raises TimeoutError past `deadline` (the request is cancelled first) and NixlError if
-        NIXL refuses the request (e.g. addresses outside the source's registration) or the
-        transfer fails (the source died)."""
+        Raises TimeoutError past `deadline` (an unfinished request is cancelled first),
+        NixlRequestRefused if NIXL refuses the request (addresses outside what the source
+        registered, or an unknown agent), and NixlError if the transfer fails (the source
+        died)."""
+        if time.monotonic() >= deadline:
+            raise TimeoutError("deadline passed before a NIXL read")
         with self._lock:
             agent = self._require()
             try:

@@ -74,6 +74,7 @@ class PeerServer:
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: set[socket.socket] = set()
+        self._workers: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._owners = itertools.count(_PEER_OWNER_BASE)
         self._sums: dict[NamespaceDigest, SlotChecksums] = {}  # one per namespace served
@@ -90,18 +91,22 @@ class PeerServer:
         return f"tcp://{host}:{self.port}"
 
     def close(self) -> None:
+        """Stops accepting, ends every connection, and returns once no connection thread
+        touches the pool any more (bounded: 5 s each)."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread at once
         with contextlib.suppress(OSError):
             self._listener.close()
+        self._thread.join(timeout=5)
         with self._lock:
-            conns = list(self._conns)
+            conns, workers = list(self._conns), list(self._workers)
             registered, self._registered = self._registered, {}
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        for worker in workers:
+            worker.join(timeout=5)
         if self.nixl is not None:
             for address, nbytes, _ in registered.values():
                 self.nixl.deregister(address, nbytes)
@@ -124,8 +129,11 @@ class PeerServer:
                 self._refuse(conn, RefuseReason.BUSY, "too many peer connections; retry later")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
-                             daemon=True).start()
+            worker = threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
+                                      daemon=True)
+            with self._lock:
+                self._workers.add(worker)
+            worker.start()
 
     def _serve(self, raw: socket.socket) -> None:
         owner = OwnerId(next(self._owners))
@@ -156,6 +164,7 @@ class PeerServer:
         finally:
             with self._lock:
                 self._conns.discard(raw)
+                self._workers.discard(threading.current_thread())
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> tuple[NamespaceStore | None, bool]:
