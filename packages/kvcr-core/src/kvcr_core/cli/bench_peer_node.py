@@ -5,7 +5,8 @@ source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (
   of those blocks, gathered 1 MiB per `sendmsg` as the server does (the raw TCP baseline);
   `S` stores every block again (new slot generations, so the next kvcr fetch recomputes every
   source checksum: "cold") and answers with the blocks' addresses (the raw NIXL baseline
-  reads them). With NIXL its main thread drives NIXL progress (the progress thread is off).
+  reads them). With NIXL its main thread drives NIXL progress every 0.1 ms, as the server
+  does while a peer reads (the progress thread is off; UCX over TCP needs the source's).
 destination: times, alternating within each repetition, the raw baseline into a plain
   page-aligned region, a cold kvcr fetch and a warm one into its pool's reserved slots (64
   blocks per fetch), then one-block operations; prints one JSON row.
@@ -99,10 +100,10 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
     threading.Thread(target=accept_raw, daemon=True).start()
     print(json.dumps({"peer": server.endpoint, "raw": list(raw.getsockname()[:2]),
                       "nixl": metadata.hex()}), flush=True)
-    while True:
+    while True:  # as often as the server does while a peer reads (the raw reads need it too)
         if engine is not None:
             engine.progress()
-        time.sleep(0.001)
+        time.sleep(0.0001 if engine is not None else 1)
 
 
 def _median_ratio(raw: list[float], kvcr: list[float]) -> float:

@@ -46,7 +46,7 @@ from kvcr_core.errors import KVCRError
 
 log = logging.getLogger("kvcr_core.peers")
 _FLAVOURS = ("nixl_cu13", "nixl_cu12")  # the meta package's own order when no CUDA is found
-_POLL_MAX_S = 0.001
+_POLL_MAX_S = 0.0001  # UCX over TCP moves data only while the reader polls
 
 
 class NixlError(KVCRError):
