@@ -30,8 +30,11 @@ fi
 
 echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+# kvcr-core[nixl]: the NIXL peer transport (nixl 1.5.1, ~130 MB of wheels, seconds). It must
+# come after vLLM: its wheels require torch, and with the CPU torch already there pip keeps it
+# (research/transport.md); otherwise pip would pull a CUDA torch.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e "packages/kvcr-vllm[demo]" \
+  -e "packages/kvcr-core[test,nixl]" -e packages/kvcr-guard -e "packages/kvcr-vllm[demo]" \
   -e packages/kvcr-router -e packages/kvcr-sglang \
   ruff mypy types-PyYAML
 echo "$want" > "$stamp"
