@@ -1,7 +1,9 @@
 """Peers: destination-initiated block transfer between Runners on different nodes.
 
 `PeerServer` serves a Runner's READY blocks to authenticated peers; `PeerClient` fetches
-blocks from one into reserved local slots. Protocol and security model: docs/peers.md.
+blocks from one into reserved local slots, over TCP or, when both sides have it, NIXL
+(`nixl_transport`, the only module that imports nixl). Protocol and security model:
+docs/peers.md.
 """
 
 from kvcr_core.peers.auth import PeerSecret
