@@ -90,6 +90,29 @@ def test_bench_pool_quick_json_reports_the_summary() -> None:
     assert {r["block_bytes"] for r in result["rows"]} == {65536, 262144, 2097152}
 
 
+@pytest.mark.slow
+def test_bench_peer_quick_json_reports_both_transports() -> None:
+    """`kvcr bench peer --quick --json` runs end to end: every TCP row and summary figure, and
+    the NIXL ones exactly when nixl is installed (null otherwise)."""
+    from kvcr_core.peers.nixl_transport import nixl_installed
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCR_")}
+    out = subprocess.run([KVCR, "bench", "peer", "--quick", "--json"], capture_output=True,
+                         text=True, env=env, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    summary, nixl = result["summary"], nixl_installed()
+    for name in ("tcp_ratio_vs_raw_256k", "tcp_ratio_vs_raw_256k_cold", "small_fetch_p50_us"):
+        assert summary[name] > 0
+    for name in ("nixl_ratio_vs_raw_256k", "nixl_ratio_vs_raw_256k_cold",
+                 "nixl_small_fetch_p50_us"):
+        assert (summary[name] > 0) if nixl else summary[name] is None
+    loopback = {(r["transport"], r["block_bytes"]) for r in result["rows"]
+                if r["path"] == "loopback"}
+    sizes = {65536, 262144, 2097152}
+    assert loopback == {(t, b) for t in (("tcp", "nixl") if nixl else ("tcp",)) for b in sizes}
+
+
 def test_import_kvcr_core_pulls_no_engine_or_heavy_dependency(tmp_path: Path) -> None:
     """`import kvcr_core` (and the CLI) loads no torch, vllm, sglang or nixl."""
     heavy = ("torch", "vllm", "sglang", "nixl", "zmq")
