@@ -66,9 +66,9 @@ def test_a_pooled_tcp_connection_moves_to_nixl_once_both_sides_have_it() -> None
     runner, store, metrics = node()
     keys = random_keys(4, seed=25)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics)
+    server = PeerServer(runner, SECRET, metrics, nixl=True)
     _, dest, dmetrics = node()
-    peer = PeerClient(dest, SECRET, dmetrics)
+    peer = PeerClient(dest, SECRET, dmetrics, nixl=True)
     peer._tcp_until[server.endpoint] = time.monotonic() + 0.3  # as if NIXL were starting
     assert peer.fetch(server.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
     time.sleep(0.3)
@@ -91,7 +91,8 @@ def test_a_source_naming_unregistered_memory_gets_nothing_published() -> None:
     source = FakePeerSource(SECRET, BLOCK, "outside", Transport.NIXL)
     _, store, metrics = node()
     keys = random_keys(3, seed=22)
-    result = PeerClient(store, SECRET, metrics).fetch(source.endpoint, keys, deadline_s=5)
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    result = client.fetch(source.endpoint, keys, deadline_s=5)
     assert set(result.statuses) == {FetchStatus.PROTOCOL} and "refused" in result.detail
     assert store.lookup(keys) == 0 and store.index.filling_blocks == 0
     source.close()
@@ -110,10 +111,10 @@ def test_pools_are_registered_once_and_released_with_their_last_user(engine) -> 
     leftover = users()
     keys = random_keys(2, seed=23)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics)
-    local = PeerClient(store, SECRET, metrics)  # this pool is also a fetch target
+    server = PeerServer(runner, SECRET, metrics, nixl=True)
+    local = PeerClient(store, SECRET, metrics, nixl=True)  # this pool is also a fetch target
     _, dest, dmetrics = node()
-    remote = PeerClient(dest, SECRET, dmetrics)
+    remote = PeerClient(dest, SECRET, dmetrics, nixl=True)
     assert remote.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
     assert users() == 1
     assert local._nixl_ready(server.endpoint)  # registers the same pool as a fetch target
@@ -156,7 +157,8 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
     _, dest, dmetrics = node()
     keys = random_keys(1, seed=24)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    result = PeerClient(dest, SECRET, dmetrics).fetch(server.endpoint, keys, deadline_s=10)
+    result = PeerClient(dest, SECRET, dmetrics, nixl=True).fetch(server.endpoint, keys,
+                                                           deadline_s=10)
     assert result.transport is Transport.TCP
     assert regions.get(region, (0,))[0] == before
     server.close()

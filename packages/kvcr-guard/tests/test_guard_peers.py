@@ -104,3 +104,17 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     for g in (source, dest):
         assert g.stop() == 0
         g.log.close()
+
+
+def test_nixl_between_guards_is_opt_in() -> None:
+    """Risk: installing nixl silently exposes every guard's pool to peers' NIXL writes."""
+    from kvcr_guard.cli import build_parser, config_from_args
+
+    base = ["--socket", "/tmp/x.sock", "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
+            "TEST_NIXL_PEER_SECRET"]
+    os.environ["TEST_NIXL_PEER_SECRET"] = "s" * 32
+    try:
+        assert not config_from_args(build_parser().parse_args(base)).peer_nixl
+        assert config_from_args(build_parser().parse_args([*base, "--peer-nixl"])).peer_nixl
+    finally:
+        del os.environ["TEST_NIXL_PEER_SECRET"]

@@ -18,6 +18,7 @@ from kvcr_core.errors import ConfigError
     ({"load": "yes"}, "kv_connector_extra_config.load"),
     ({"timeout_s": 0}, "kv_connector_extra_config.timeout_s"),
     ({"kvcr": {"eviction_polcy": "lru"}}, "eviction_polcy"),
+    ({"peer_nixl": "on"}, "kv_connector_extra_config.peer_nixl"),
 ])
 def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
     """A wrong kv_connector_extra_config is a start-up error naming the field and the fix."""
@@ -36,6 +37,7 @@ def test_extra_config_defaults_and_values() -> None:
          "kvcr": {"eviction_policy": "arc"}, "save": False}, "e")
     assert guarded.socket == "/run/kvcr/g.sock" and guarded.runner.pool_bytes == 2 << 30
     assert guarded.runner.eviction_policy == "arc" and not guarded.save and guarded.load
+    assert not default.peer_nixl  # NIXL (pool writable by peers) only when asked for
 
 
 def test_copy_runs_coalesce_consecutive_blocks_and_slots() -> None:

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
                     help="TLS for the peer channel: this node's PEM certificate and key, and "
                     "the CA peers' certificates must chain to (mutual)")
+    ap.add_argument("--peer-nixl", action="store_true",
+                    help="move peer transfers to NIXL when both sides have it (pip install "
+                    "'kvcr-core[nixl]'); NIXL exposes the pool to authenticated peers for "
+                    "writes too, so use it only among trusted nodes (docs/peers.md)")
     ap.add_argument("--peer-secret-env", default="KVCR_PEER_SECRET",
                     help="environment variable holding the secret (default KVCR_PEER_SECRET)")
     ap.add_argument("--log-level", default=None,
@@ -69,6 +73,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
                                 else PeerSecret.from_env(args.peer_secret_env))
     if args.peer_tls:
         extra["peer_tls"] = PeerTLS(*args.peer_tls)
+    if args.peer_nixl:
+        extra["peer_nixl"] = True
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)
     return GuardConfig(socket_path=args.socket, runner=runner, metrics_host=args.metrics_host,

@@ -27,6 +27,7 @@ class GuardConfig:
     peer_secret: PeerSecret | None = None
     peers: frozenset[str] = frozenset()  # endpoints clients may ask the daemon to fetch from
     peer_tls: PeerTLS | None = None
+    peer_nixl: bool = False  # offer / use NIXL reads between peers that both have it
 
     @property
     def abstract(self) -> bool:

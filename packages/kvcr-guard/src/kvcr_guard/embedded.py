@@ -27,11 +27,12 @@ log = logging.getLogger("kvcr_guard")
 class EmbeddedRunner:
     def __init__(self, socket_path: str, runner_config: KVCRConfig, *, peer_listen: str = "",
                  peer_secret: PeerSecret | None = None, peer_tls: PeerTLS | None = None,
-                 peers: frozenset[str] = frozenset()) -> None:
+                 peers: frozenset[str] = frozenset(), peer_nixl: bool = False) -> None:
         self.socket_path = socket_path
         self.server = GuardServer(GuardConfig(socket_path=socket_path, runner=runner_config,
                                               peer_listen=peer_listen, peer_secret=peer_secret,
-                                              peer_tls=peer_tls, peers=peers))
+                                              peer_tls=peer_tls, peers=peers,
+                                              peer_nixl=peer_nixl))
         self.server.listen()
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)

@@ -21,7 +21,7 @@ from kvcr_core.peers import PeerSecret, PeerTLS
 
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
-                         "peers", "fetch_deadline_s", "peer_tls"})
+                         "peers", "fetch_deadline_s", "peer_tls", "peer_nixl"})
 
 
 class Mode(enum.Enum):
@@ -41,6 +41,7 @@ class EngineSettings:
     peers: frozenset[str] = frozenset()
     fetch_deadline_s: float = 2.0
     peer_tls: PeerTLS | None = None
+    peer_nixl: bool = False
 
 
 def reject_unknown(extra: Mapping[str, Any], field: str, known: frozenset[str]) -> None:
@@ -122,6 +123,9 @@ def _peer_keys(extra: Mapping[str, Any], mode: Mode, field: str) -> dict[str, An
             raise ConfigError(f"{field}.peer_tls", tls,
                               'give {"cert": PEM, "key": PEM, "ca": PEM} file paths')
         tls = PeerTLS(str(tls["cert"]), str(tls["key"]), str(tls["ca"]))
-    return {"peer_listen": listen, "peer_secret": secret, "peer_tls": tls,
+    nixl = extra.get("peer_nixl", False)
+    if not isinstance(nixl, bool):
+        raise ConfigError(f"{field}.peer_nixl", nixl, "use true or false")
+    return {"peer_listen": listen, "peer_secret": secret, "peer_tls": tls, "peer_nixl": nixl,
             "peers": frozenset(str(Endpoint.parse(p)) for p in peers),
             "fetch_deadline_s": float(deadline)}

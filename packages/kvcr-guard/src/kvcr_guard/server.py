@@ -129,7 +129,8 @@ class GuardServer:
             assert self.config.peer_secret is not None
             self.peer_server = PeerServer(self.runner, self.config.peer_secret,
                                           self.peer_metrics, host=host.strip("[]"),
-                                          port=int(port), tls=self.config.peer_tls)
+                                          port=int(port), tls=self.config.peer_tls,
+                                          nixl=self.config.peer_nixl)
             log.info("kvcr-guard serving peers on %s", self.peer_server.endpoint)
         if self.config.metrics_port is not None:
             server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
@@ -147,7 +148,8 @@ class GuardServer:
         client = self._peer_clients.get(store.digest)
         if client is None:
             client = self._peer_clients[store.digest] = PeerClient(
-                store, self.config.peer_secret, self.peer_metrics, tls=self.config.peer_tls)
+                store, self.config.peer_secret, self.peer_metrics, tls=self.config.peer_tls,
+                nixl=self.config.peer_nixl)
         return client
 
     def request_shutdown(self) -> None:

@@ -121,7 +121,7 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         self.embedded = EmbeddedRunner(
             self.settings.socket, runner, peer_listen=self.settings.peer_listen,
             peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
-            peers=self.settings.peers)
+            peers=self.settings.peers, peer_nixl=self.settings.peer_nixl)
 
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:

@@ -91,7 +91,7 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
             self.embedded = EmbeddedRunner(
                 self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
                 peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
-                peers=self.settings.peers)
+                peers=self.settings.peers, peer_nixl=self.settings.peer_nixl)
         self.store = PageStore(self.settings.socket, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}",
                                timeout_s=self.settings.timeout_s, peers=self.settings.peers,

@@ -85,7 +85,8 @@ class KVCRConnector(KVConnectorBase_V1):
                 self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner,
                                                 peer_listen=self.settings.peer_listen,
                                                 peer_secret=self.settings.peer_secret,
-                                                peer_tls=self.settings.peer_tls)
+                                                peer_tls=self.settings.peer_tls,
+                                                peer_nixl=self.settings.peer_nixl)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
             self._scheduler = KVCRConnectorScheduler(self.settings, specs, block_bytes,
                                                      self.stats, engine_id, self._embedded)

@@ -235,7 +235,8 @@ class KVCRConnectorScheduler:
                 return None
             assert self.settings.peer_secret is not None
             self._peer_client = PeerClient(store, self.settings.peer_secret,
-                                           server.peer_metrics, tls=self.settings.peer_tls)
+                                           server.peer_metrics, tls=self.settings.peer_tls,
+                                           nixl=self.settings.peer_nixl)
         return self._peer_client
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

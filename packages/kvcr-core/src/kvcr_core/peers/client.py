@@ -137,10 +137,10 @@ class _Fetch:
 
 class PeerClient:
     """Fetches into one local namespace store from peers that share its secret.
-    `nixl=False` keeps every connection on TCP."""
+    `nixl=True` (opt-in) moves connections to NIXL when both sides have it."""
 
     def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
-                 max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = True) -> None:
+                 max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = False) -> None:
         self.store = store
         self.secret = secret
         self.metrics = metrics

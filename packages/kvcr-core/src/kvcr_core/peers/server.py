@@ -65,12 +65,14 @@ class _Refuse(Exception):
 
 
 class PeerServer:
-    """Serves `runner`'s namespaces. `nixl=False` keeps every connection on TCP."""
+    """Serves `runner`'s namespaces. `nixl=True` (opt-in: NIXL registers the whole namespace
+    pool with no read-only mode, so an authenticated peer could also write it) offers NIXL
+    reads to peers that ask; otherwise every connection stays on TCP."""
 
     def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
                  io_timeout_s: float = 30.0, tls: PeerTLS | None = None,
-                 nixl: bool = True) -> None:
+                 nixl: bool = False) -> None:
         self.runner = runner
         self.secret = secret
         self.metrics = metrics
