@@ -27,14 +27,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (Linux PR_SET_PDEATHSIG),
+    so a killed demo or benchmark never leaves engines or daemons behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class Process:
-    """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL)."""
+    """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL); it also
+    gets SIGTERM if this process dies first."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=_die_with_parent)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
