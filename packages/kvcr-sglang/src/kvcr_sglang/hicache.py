@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -184,39 +185,41 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             return None
         return [int(indices[i * page]) for i in range(len(keys))]
 
-    def batch_set_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+    def _each_v2(self, transfers: list[PoolTransfer],
+                 io: Callable[[Any, PageStore, list[str], list[int]], list[bool]],
+                 ) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             keys = list(transfer.keys or [])
             pool, store = self._pool(transfer.name)
             offsets = self._offsets(pool, transfer)
-            if offsets is None:
-                results[transfer.name] = [False] * len(keys)
-            elif not self.is_writer:
-                results[transfer.name] = [True] * len(keys)
-            else:
-                flat = [pool.get_data_page(o, flat=True).contiguous() for o in offsets]
-                results[transfer.name] = store.write(keys, HostPages.tensor_segments(flat))
+            results[transfer.name] = ([False] * len(keys) if offsets is None
+                                      else io(pool, store, keys, offsets))
         return results
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        def store_pages(pool: Any, store: PageStore, keys: list[str],
+                        offsets: list[int]) -> list[bool]:
+            if not self.is_writer:
+                return [True] * len(keys)
+            flat = [pool.get_data_page(o, flat=True).contiguous() for o in offsets]
+            return store.write(keys, HostPages.tensor_segments(flat))
+
+        return self._each_v2(transfers, store_pages)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        results: dict[str, list[bool]] = {}
-        for transfer in transfers:
-            keys = list(transfer.keys or [])
-            pool, store = self._pool(transfer.name)
-            offsets = self._offsets(pool, transfer)
-            if offsets is None:
-                results[transfer.name] = [False] * len(keys)
-                continue
+        def load_pages(pool: Any, store: PageStore, keys: list[str],
+                       offsets: list[int]) -> list[bool]:
             targets = [pool.get_dummy_flat_data_page() for _ in keys]
             filled = store.read(keys, HostPages.tensor_segments(targets))
             for offset, target, ok in zip(offsets, targets, filled, strict=True):
                 if ok:
                     pool.set_from_flat_data_page(offset, target)
-            results[transfer.name] = filled
-        return results
+            return filled
+
+        return self._each_v2(transfers, load_pages)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import socket
+from typing import TypeVar
 
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.hints import Endpoint
@@ -19,6 +20,7 @@ from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.client import PeerRefused, authenticate
 
+R = TypeVar("R", pp.InventoryReply, pp.HintPosted)
 
 class InventoryReader:
     def __init__(self, endpoint: str, secret: PeerSecret, timeout_s: float = 5.0) -> None:
@@ -31,17 +33,8 @@ class InventoryReader:
 
     def poll(self) -> tuple[bool, list[InventoryBatch]]:
         """(reset, new batches): reset means forget this runner's blocks first."""
-        sock = self._sock or self._connect()
-        try:
-            sock.sendall(pp.encode(pp.Inventory(self.since, pp.MAX_INVENTORY_BATCHES)))
-            reply = pp.decode_to_client(recv_frame(sock)[0])
-            if isinstance(reply, pp.Refused):
-                raise PeerRefused(reply.reason, reply.detail)
-            if not isinstance(reply, pp.InventoryReply):
-                raise FrameError("expected InventoryReply")
-        except BaseException:
-            self.close()
-            raise
+        reply = self._exchange(pp.Inventory(self.since, pp.MAX_INVENTORY_BATCHES),
+                               pp.InventoryReply)
         if self.epoch is not None and reply.epoch != self.epoch:  # the runner restarted
             self.epoch, self.since = reply.epoch, 0
             return True, self.poll()[1]
@@ -57,18 +50,22 @@ class InventoryReader:
     def post_hint(self, envelope: str) -> int:
         """Posts a KV hint to the runner (its `HintBoard`, for engines such as SGLang that do not
         pass hints to their cache plug-in); returns the block hashes it remembered."""
+        return self._exchange(pp.PostHint(envelope), pp.HintPosted).hashes
+
+    def _exchange(self, request: pp.Inventory | pp.PostHint, expected: type[R]) -> R:
+        """One request, one reply of the `expected` type; any failure closes the connection."""
         sock = self._sock or self._connect()
         try:
-            sock.sendall(pp.encode(pp.PostHint(envelope)))
+            sock.sendall(pp.encode(request))
             reply = pp.decode_to_client(recv_frame(sock)[0])
             if isinstance(reply, pp.Refused):
                 raise PeerRefused(reply.reason, reply.detail)
-            if not isinstance(reply, pp.HintPosted):
-                raise FrameError("expected HintPosted")
+            if not isinstance(reply, expected):
+                raise FrameError(f"expected {expected.__name__}")
         except BaseException:
             self.close()
             raise
-        return reply.hashes
+        return reply
 
     def close(self) -> None:
         if self._sock is not None:
