@@ -58,3 +58,17 @@ def test_importing_kvcr_sglang_pulls_in_neither_sglang_nor_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_shipped_example_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: the documented examples/sglang configs fail at SGLang start-up."""
+    import json
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[3] / "examples" / "sglang"
+    monkeypatch.setenv("KVCR_PEER_SECRET", "s" * 32)
+    for name in ("hicache-guarded.json", "hicache-embedded.json"):
+        BackendSettings.from_extra_config(json.loads((examples / name).read_text()))
+    linker = json.loads((examples / "linker.json").read_text())
+    assert linker["linker_module_path"] == "kvcr_sglang.linker"
+    BackendSettings.from_extra_config(linker["linker_extra_config"])
