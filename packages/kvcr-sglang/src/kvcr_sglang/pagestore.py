@@ -33,6 +33,18 @@ log = logging.getLogger("kvcr_sglang")
 Segments = Sequence[tuple[int, int]]  # (address, bytes) of one page's pieces, in block order
 
 
+def copy_segments(block_address: int, segments: Segments, *, into_slot: bool) -> None:
+    """One page's segments to (or from) one contiguous block, back to back (memmove; releases
+    the GIL)."""
+    offset = block_address
+    for address, size in segments:
+        if into_slot:
+            ctypes.memmove(offset, address, size)
+        else:
+            ctypes.memmove(address, offset, size)
+        offset += size
+
+
 def router_hash(page_key: str) -> int | None:
     """The block hash routers and SGLang's KV events use for a page: the first 16 hex digits
     of its page hash, as an unsigned 64-bit int (events send it signed; hints normalise)."""
@@ -275,13 +287,7 @@ class PageStore:
         if total != self.block_bytes:
             raise ValueError(f"a page of {total} bytes; this namespace stores "
                              f"{self.block_bytes}-byte pages")
-        offset = slot_address
-        for address, size in segments:
-            if into_slot:
-                ctypes.memmove(offset, address, size)
-            else:
-                ctypes.memmove(address, offset, size)
-            offset += size
+        copy_segments(slot_address, segments, into_slot=into_slot)
 
     def _pool_address(self) -> int:
         """The mapped pool's base address, refreshed after a re-attach."""
