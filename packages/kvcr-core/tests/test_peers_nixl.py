@@ -5,6 +5,7 @@ contract tests run over NIXL too, in test_peers.py.)"""
 from __future__ import annotations
 
 import subprocess
+import threading
 import sys
 import time
 
@@ -162,3 +163,66 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
     assert result.transport is Transport.TCP
     assert regions.get(region, (0,))[0] == before
     server.close()
+
+
+@pytest.fixture
+def one_block_reads(engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each NIXL READ moves one block, so a fetch of a few blocks takes the pipelined path:
+    several READs posted, each checked on the verifier thread while the next is read."""
+    monkeypatch.setattr(engine, "chunk_bytes", BLOCK)
+
+
+def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
+    """Risk: the pipelined path publishes a block without checking it, or checks the wrong
+    one: block 1's bytes are wrong, and only it is refused."""
+    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", Transport.NIXL)
+    _, store, metrics = node()
+    keys = random_keys(3, seed=23)
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    result = client.fetch(source.endpoint, keys, deadline_s=10)
+    assert any(t.name == "kvcr-verify" for t in threading.enumerate())  # the threaded path
+    assert result.transport is Transport.NIXL
+    assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
+    assert store.contains(keys) == [True, False, True]
+    assert metrics.fetched["checksum"] == 1 and store.index.filling_blocks == 0
+    client.close()
+    source.close()
+
+
+def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
+                                                             engine: NixlEngine) -> None:
+    """Risk: with READs in flight and checks pending, a cancel publishes unchecked blocks or
+    leaves slots FILLING; without one, bytes land in the wrong slots."""
+    source_runner, source_store, source_metrics = node()
+    keys = random_keys(40, seed=24)
+    source_store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(source_runner, SECRET, source_metrics, nixl=True)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
+    assert whole.fetched == 20 and whole.transport is Transport.NIXL
+    assert store.load(keys[:20]) == [pattern_block(k, BLOCK) for k in keys[:20]]
+
+    cancel = threading.Event()
+    posted = 0
+    post_read = engine.post_read
+
+    def post_then_cancel(*args: object, **kwargs: object) -> object:
+        nonlocal posted
+        posted += 1
+        if posted == 3:
+            cancel.set()  # the caller cancels while this fetch is mid-way
+        return post_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.post_read = post_then_cancel  # type: ignore[method-assign]
+    try:
+        result = client.fetch(server.endpoint, keys[20:], deadline_s=10, cancel=cancel)
+    finally:
+        del engine.post_read
+    assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
+    assert store.contains(keys[20:]) == [True] * 3 + [False] * 17
+    assert store.load(keys[20:23]) == [pattern_block(k, BLOCK) for k in keys[20:23]]
+    assert store.index.filling_blocks == 0
+    client.close()
+    server.close()
+    source_runner.close()

@@ -9,7 +9,7 @@ that does not match is dropped and counted. Per-key results carry reasons (`Fetc
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
 each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
-verified chunk by chunk); on timeout or cancel nothing half-written becomes READY, and a
+and each chunk is verified on the `Verifier` thread while the next is read); on timeout or cancel nothing half-written becomes READY, and a
 connection whose stream could be out of step is dropped. `fetch_async` returns a handle
 (poll / result / cancel) and runs on a bounded pool of threads; beyond the bound it refuses at
 once (CAPACITY) instead of queueing.
@@ -17,6 +17,7 @@ once (CAPACITY) instead of queueing.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -36,15 +37,18 @@ from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
 from kvcr_core.peers.nixl_transport import (
     NixlEngine,
     NixlError,
+    NixlRead,
     NixlRequestRefused,
     nixl_installed,
 )
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
+from kvcr_core.peers.verifier import Checks, Verifier
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
 _MAX_IDLE_PER_PEER = 4
+_NIXL_BYTES_POSTED = 8 << 20  # READs in flight at once over an asynchronous transport
 _MAX_KNOWN_PEERS = 256
 _TCP_ANSWER_BACKOFF_S = 30.0  # a peer that answered an offer of NIXL with TCP: ask again later
 _NIXL_FAILURE_BACKOFF_S = 300.0  # a peer whose NIXL metadata did not load here
@@ -150,6 +154,7 @@ class PeerClient:
             self.nixl.start()
         self._nixl_region: int | None = None  # our pool's address, once registered
         self._nixl_failed = False
+        self._verifier = Verifier()  # a thread only once a NIXL fetch needs one
         self._tcp_until: dict[str, float] = {}  # endpoint -> when to offer it NIXL again
         self._valid: set[str] = set()  # endpoints already parsed
         self._idle: dict[str, list[_Connection]] = {}
@@ -160,6 +165,7 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._verifier.close()
         with self._lock:
             idle, self._idle = self._idle, {}
             region, self._nixl_region = self._nixl_region, None
@@ -282,7 +288,10 @@ class PeerClient:
         return True
 
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
-        """READs the found blocks chunk by chunk, verifying each chunk while it is in cache."""
+        """READs the found blocks chunk by chunk, keeping up to `_NIXL_BYTES_POSTED` in flight
+        (over cma each READ completes as it is posted; over TCP or RDMA later ones move while
+        earlier ones are checked). Each completed chunk goes to the verifier thread, which
+        hashes it while the next is read (a fetch of one chunk is checked in line)."""
         found = sum(reply.found)
         if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
                 or len(reply.addresses) != found or len(reply.checksums) != found):
@@ -299,21 +308,47 @@ class PeerClient:
             assert slot is not None
             todo.append((i, slot, *next(sources)))
         per_read = max(1, self.nixl.chunk_bytes // pool.slot_bytes)
-        for start in range(0, len(todo), per_read):
-            if job.cancelled():
-                break
-            chunk = todo[start:start + per_read]
-            self.nixl.read(conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
-                           [t[2] for t in chunk], pool.slot_bytes, job.deadline)
-            for i, slot, _, expected in chunk:
-                job.received += pool.slot_bytes
-                if pp.checksum(pool.view(slot)) == expected:
+        verify = self._verifier.submit if len(todo) > per_read else _verify_here
+        most_posted = max(1, _NIXL_BYTES_POSTED // (per_read * pool.slot_bytes))
+        pending: list[tuple[list[tuple[int, SlotId, int, int]], Checks]] = []
+        posted: collections.deque[tuple[list[tuple[int, SlotId, int, int]], NixlRead]] = (
+            collections.deque())
+
+        def settle_oldest() -> None:
+            chunk, request = posted.popleft()
+            try:
+                request.wait(job.deadline)
+            finally:
+                request.release()
+            job.received += len(chunk) * pool.slot_bytes
+            pending.append((chunk, verify([pool.view(t[1]) for t in chunk],
+                                          [t[3] for t in chunk], job.deadline)))
+
+        try:
+            for start in range(0, len(todo), per_read):
+                if job.cancelled():
+                    break
+                chunk = todo[start:start + per_read]
+                posted.append((chunk, self.nixl.post_read(
+                    conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
+                    [t[2] for t in chunk], pool.slot_bytes, job.deadline)))
+                # over cma the read is done already: verify it while it is in cache
+                while posted and (len(posted) >= most_posted or posted[0][1].poll()):
+                    settle_oldest()
+            while posted:
+                settle_oldest()
+        finally:
+            for _, request in posted:
+                request.release()
+        self._timeout(conn, job.deadline)
+        conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
+        for chunk, checks in pending:
+            for (i, _, _, _), ok in zip(chunk, checks.wait(job.deadline), strict=True):
+                if ok:
                     job.statuses[i] = FetchStatus.OK
                     job.keep.append(job.keys[i])
                 else:
                     job.statuses[i] = FetchStatus.CHECKSUM
-        self._timeout(conn, job.deadline)
-        conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))
         return True
 
     @staticmethod
@@ -401,6 +436,12 @@ class PeerClient:
                     return False
                 self._nixl_region = region.address
         return True
+
+
+def _verify_here(views: Sequence[memoryview], expected: Sequence[int], deadline: float) -> Checks:
+    checks = Checks(views, expected)
+    checks.run()
+    return checks
 
 
 def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,

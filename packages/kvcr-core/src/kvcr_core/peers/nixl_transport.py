@@ -14,8 +14,9 @@ core and halves throughput), and so is its listener thread; nothing here starts 
 except the one-shot starter. Callers drive progress: a reader polls its transfer; a source
 calls `progress()` while a peer may be connecting or reading. Every call into the agent is
 serialised by one lock (the agent runs in NIXL_THREAD_SYNC_NONE mode). On one host UCX
-copies with cma (one kernel copy, inside `transfer()`, holding the GIL), so readers move at
-most `chunk_bytes` per `read` and the GIL is free between chunks.
+copies with cma: one kernel copy inside `transfer()` (which releases the GIL), so a READ is
+done when `post_read` returns; over UCX's TCP transport or RDMA it moves while the reader
+polls, and readers keep several READs posted (kvcr_core.peers.client).
 
 Flavours: nixl ships per-CUDA wheels (nixl_cu12, nixl_cu13) behind the `nixl` meta package,
 which imports torch to choose on CPU-only hosts (seconds). A flavour already imported in this
@@ -112,7 +113,7 @@ class NixlEngine:
     _shared: ClassVar[NixlEngine | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 2 << 20) -> None:
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
         self.chunk_bytes = chunk_bytes
         self.state = EngineState.IDLE
@@ -243,12 +244,25 @@ class NixlEngine:
 
     def read(self, peer: str, local: Sequence[int], remote: Sequence[int], nbytes: int,
              deadline: float) -> None:
-        """READs `nbytes` from each `remote[i]` of agent `peer` into `local[i]`, all at once.
+        """READs `nbytes` from each `remote[i]` of agent `peer` into `local[i]`, all at once;
+        `post_read` then `NixlRead.wait`, with the same errors."""
+        request = self.post_read(peer, local, remote, nbytes, deadline)
+        try:
+            request.wait(deadline)
+        finally:
+            request.release()
 
-        Raises TimeoutError past `deadline` (an unfinished request is cancelled first),
-        NixlRequestRefused if NIXL refuses the request (addresses outside what the source
-        registered, or an unknown agent), and NixlError if the transfer fails (the source
-        died)."""
+    def post_read(self, peer: str, local: Sequence[int], remote: Sequence[int], nbytes: int,
+                  deadline: float) -> NixlRead:
+        """Starts a READ of `nbytes` from each `remote[i]` of agent `peer` into `local[i]`.
+        Over cma the bytes move inside this call; over an asynchronous transport (UCX over
+        TCP, RDMA) they move while the caller does other work and polls. The caller must
+        `release()` the returned request (which cancels it if unfinished) before reusing the
+        local memory.
+
+        Raises TimeoutError if `deadline` has passed, NixlRequestRefused if NIXL refuses the
+        request (addresses outside what the source registered, or an unknown agent), and
+        NixlError if posting fails."""
         if time.monotonic() >= deadline:
             raise TimeoutError("deadline passed before a NIXL read")
         with self._lock:
@@ -259,27 +273,14 @@ class NixlEngine:
                     agent.get_xfer_descs([(a, nbytes, 0) for a in remote], "DRAM"), peer)
             except Exception as exc:
                 raise NixlRequestRefused(f"transfer request refused: {exc}") from exc
+        request = NixlRead(self, agent, handle, peer)
         try:
-            state = self._post(agent, handle)
-            pause = 0.0
-            while state == "PROC":
-                if time.monotonic() >= deadline:
-                    raise TimeoutError("deadline passed during a NIXL read")
-                time.sleep(pause)  # yields the GIL and the core; UCX progresses in check
-                pause = min(_POLL_MAX_S, pause * 2 or 2e-5)
-                with self._lock:
-                    state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise NixlError(f"NIXL read from {peer} failed")
-        finally:
-            self._release(agent, handle, peer)
-
-    def _post(self, agent: Any, handle: Any) -> str:
-        with self._lock:
-            try:
-                return str(agent.transfer(handle))
-            except Exception as exc:
-                raise NixlError(f"posting a transfer failed: {exc}") from exc
+            with self._lock:
+                request.state = str(agent.transfer(handle))
+        except Exception as exc:
+            request.release()
+            raise NixlError(f"posting a transfer failed: {exc}") from exc
+        return request
 
     def _release(self, agent: Any, handle: Any, peer: str) -> None:
         with self._lock:
@@ -305,3 +306,38 @@ class NixlEngine:
             raise NixlError(f"NIXL is not running ({self.state.value}{': ' if self.failure else ''}"
                             f"{self.failure})")
         return self._agent
+
+
+class NixlRead:
+    """One posted READ: `poll()` (progresses it; True once done), `wait(deadline)`, and
+    `release()` (always; cancels it if unfinished). Not shared between threads."""
+
+    def __init__(self, engine: NixlEngine, agent: Any, handle: Any, peer: str) -> None:
+        self._engine = engine
+        self._agent = agent
+        self._handle: Any = handle
+        self.peer = peer
+        self.state = "PROC"
+
+    def poll(self) -> bool:
+        """Raises NixlError if the transfer failed (the source died)."""
+        if self.state == "PROC" and self._handle is not None:
+            with self._engine._lock:
+                self.state = str(self._agent.check_xfer_state(self._handle))
+        if self.state not in ("PROC", "DONE"):
+            raise NixlError(f"NIXL read from {self.peer} failed")
+        return self.state == "DONE"
+
+    def wait(self, deadline: float) -> None:
+        """Polls until done; TimeoutError past `deadline`."""
+        pause = 0.0
+        while not self.poll():
+            if time.monotonic() >= deadline:
+                raise TimeoutError("deadline passed during a NIXL read")
+            time.sleep(pause)  # yields the GIL and the core; UCX progresses in check
+            pause = min(_POLL_MAX_S, pause * 2 or 2e-5)
+
+    def release(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._engine._release(self._agent, handle, self.peer)
