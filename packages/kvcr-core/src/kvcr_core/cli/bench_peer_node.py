@@ -8,8 +8,9 @@ source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (
   reads them). With NIXL its main thread drives NIXL progress every 0.1 ms, as the server
   does while a peer reads (the progress thread is off; UCX over TCP needs the source's).
 destination: times, alternating within each repetition, the raw baseline into a plain
-  page-aligned region, a cold kvcr fetch and a warm one into its pool's reserved slots (64
-  blocks per fetch), then one-block operations; prints one JSON row.
+  page-aligned region, the raw transfer followed by xxh3 of each block (the cost of verifying
+  in line, for reference), a cold kvcr fetch and a warm one into its pool's reserved slots
+  (64 blocks per fetch), then one-block operations; prints one JSON row.
 Single-threaded apart from the servers' own threads.
 """
 
@@ -32,6 +33,7 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_exact_into, send_all
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers.protocol import checksum
 from kvcr_core.peers.nixl_transport import NixlEngine
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import pattern_block, random_keys
@@ -149,6 +151,13 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
             raw.sendall(_REQ.pack(b"R", first, count))
             recv_exact_into(raw, region.view[first * block_bytes:(first + count) * block_bytes])
 
+    def raw_checked_run(first: int, count: int) -> None:
+        """The raw transfer, then xxh3 of each block in line: what the simplest reader that
+        verifies (as kvcr must) costs here."""
+        raw_run(first, count)
+        for i in range(first, first + count):
+            checksum(region.view[i * block_bytes:(i + 1) * block_bytes])
+
     def kvcr_run(first: int, count: int) -> None:
         result = client.fetch(peer, keys[first:first + count], deadline_s=60)
         if result.fetched != count:
@@ -170,9 +179,10 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
     timed(raw_run)  # warm-up: connections, page tables, NIXL wire-up
     clear()
     timed(kvcr_run)
-    t_raw, t_cold, t_warm = [], [], []
+    t_raw, t_checked, t_cold, t_warm = [], [], [], []
     for _ in range(reps):
         t_raw.append(timed(raw_run))
+        t_checked.append(timed(raw_checked_run))
         restore()
         clear()
         t_cold.append(timed(kvcr_run))
@@ -193,6 +203,7 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
             "kvcr_gbps": gb / statistics.median(t_warm),
             "kvcr_cold_gbps": gb / statistics.median(t_cold),
             "ratio": _median_ratio(t_raw, t_warm), "ratio_cold": _median_ratio(t_raw, t_cold),
+            "raw_checked_ratio": _median_ratio(t_raw, t_checked),
             "small_fetch_p50_us": statistics.median(small) * 1e6,
             "raw_small_p50_us": statistics.median(raw_small) * 1e6}
 
