@@ -5,8 +5,8 @@ contract tests run over NIXL too, in test_peers.py.)"""
 from __future__ import annotations
 
 import subprocess
-import threading
 import sys
+import threading
 import time
 
 import pytest

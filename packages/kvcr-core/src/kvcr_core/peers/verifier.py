@@ -28,7 +28,7 @@ from kvcr_core.peers.protocol import checksum
 class Checks:
     """The verdicts on one chunk of blocks, in the order they were submitted."""
 
-    __slots__ = ("_views", "_expected", "_ok", "_done")
+    __slots__ = ("_done", "_expected", "_ok", "_views")
 
     def __init__(self, views: Sequence[memoryview], expected: Sequence[int]) -> None:
         self._views = views
@@ -40,7 +40,7 @@ class Checks:
         try:
             self._ok = [checksum(view) == want
                         for view, want in zip(self._views, self._expected, strict=True)]
-        except Exception:  # noqa: BLE001 - a verdict must come back; unknown means refused
+        except Exception:
             self._ok = []
         self._views = ()  # the slots are the reader's again
         self._done.set()
