@@ -18,7 +18,7 @@ from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import FakePeerSource, pattern_block, random_keys
-from kvcr_core.types import NamespaceDigest
+from kvcr_core.types import BlockKey, NamespaceDigest
 
 if not nixl_installed():
     pytest.skip("nixl is not installed (pip install 'kvcr-core[nixl]')", allow_module_level=True)
@@ -34,6 +34,15 @@ def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
     return runner, runner.open_namespace(NS, BLOCK), PeerMetrics(registry)
 
 
+def stocked_source(count: int, seed: int, *,
+                   nixl: bool) -> tuple[Runner, PeerServer, list[BlockKey], PeerMetrics]:
+    """A runner holding `count` pattern blocks, served to peers (NIXL if `nixl`)."""
+    runner, store, metrics = node()
+    keys = random_keys(count, seed=seed)
+    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    return runner, PeerServer(runner, SECRET, metrics, nixl=nixl), keys, metrics
+
+
 @pytest.fixture(scope="module", autouse=True)
 def engine() -> NixlEngine:
     shared = NixlEngine.shared()
@@ -44,10 +53,7 @@ def engine() -> NixlEngine:
 @pytest.mark.parametrize("client_nixl,server_nixl", [(True, False), (False, True), (True, True)])
 def test_nixl_is_chosen_only_when_both_sides_have_it(client_nixl, server_nixl) -> None:
     """Either side without NIXL (an older kvcr, or turned off) means TCP; both: NIXL."""
-    runner, store, metrics = node()
-    keys = random_keys(4, seed=21)
-    store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics, nixl=server_nixl)
+    _, server, keys, metrics = stocked_source(4, 21, nixl=server_nixl)
     _, dest, dmetrics = node()
     peer = PeerClient(dest, SECRET, dmetrics, nixl=client_nixl)
     result = peer.fetch(server.endpoint, keys, deadline_s=10)
@@ -193,10 +199,7 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
                                                              engine: NixlEngine) -> None:
     """Risk: with READs in flight and checks pending, a cancel publishes unchecked blocks or
     leaves slots FILLING; without one, bytes land in the wrong slots."""
-    source_runner, source_store, source_metrics = node()
-    keys = random_keys(40, seed=24)
-    source_store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(source_runner, SECRET, source_metrics, nixl=True)
+    source_runner, server, keys, _ = stocked_source(40, 24, nixl=True)
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
     whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
