@@ -229,3 +229,35 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
     client.close()
     server.close()
     source_runner.close()
+
+
+def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
+                                                               engine: NixlEngine) -> None:
+    """Risk: a deadline that passes between READs throws away blocks that were read and
+    checked before it (or publishes the rest)."""
+    source_runner, server, keys, _ = stocked_source(6, 25, nixl=True)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    posted = 0
+    post_read = engine.post_read
+
+    def slow_third(peer: str, local: list[int], remote: list[int], nbytes: int,
+                   deadline: float) -> object:
+        nonlocal posted
+        posted += 1
+        if posted == 3:
+            time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)  # the source stalls
+        return post_read(peer, local, remote, nbytes, deadline)
+
+    engine.post_read = slow_third  # type: ignore[assignment]
+    try:
+        result = client.fetch(server.endpoint, keys, deadline_s=1.0)
+    finally:
+        del engine.post_read
+    assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
+    assert store.contains(keys) == [True] * 2 + [False] * 4
+    assert store.load(keys[:2]) == [pattern_block(k, BLOCK) for k in keys[:2]]
+    assert store.index.filling_blocks == 0
+    client.close()
+    server.close()
+    source_runner.close()

@@ -325,30 +325,28 @@ class PeerClient:
                                           [t[3] for t in chunk], job.deadline)))
 
         try:
-            for start in range(0, len(todo), per_read):
-                if job.cancelled():
-                    break
-                chunk = todo[start:start + per_read]
-                posted.append((chunk, self.nixl.post_read(
-                    conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
-                    [t[2] for t in chunk], pool.slot_bytes, job.deadline)))
-                # over cma the read is done already: verify it while it is in cache
-                while posted and (len(posted) >= most_posted or posted[0][1].poll()):
+            try:
+                for start in range(0, len(todo), per_read):
+                    if job.cancelled():
+                        break
+                    chunk = todo[start:start + per_read]
+                    posted.append((chunk, self.nixl.post_read(
+                        conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
+                        [t[2] for t in chunk], pool.slot_bytes, job.deadline)))
+                    # over cma the read is done already: check it while it is in cache
+                    while posted and (len(posted) >= most_posted or posted[0][1].poll()):
+                        settle_oldest()
+                while posted:
                     settle_oldest()
-            while posted:
-                settle_oldest()
-        finally:
-            for _, request in posted:
-                request.release()
-        self._timeout(conn, job.deadline)
-        conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
-        for chunk, checks in pending:
-            for (i, _, _, _), ok in zip(chunk, checks.wait(job.deadline), strict=True):
-                if ok:
-                    job.statuses[i] = FetchStatus.OK
-                    job.keep.append(job.keys[i])
-                else:
-                    job.statuses[i] = FetchStatus.CHECKSUM
+            finally:
+                for _, request in posted:
+                    request.release()
+            self._timeout(conn, job.deadline)
+            conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
+        except BaseException:
+            _take_verdicts(job, pending, None)  # what was read and checked already is kept
+            raise
+        _take_verdicts(job, pending, job.deadline)
         return True
 
     @staticmethod
@@ -436,6 +434,22 @@ class PeerClient:
                     return False
                 self._nixl_region = region.address
         return True
+
+
+def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, SlotId, int, int]],
+                                                        Checks]],
+                   deadline: float | None) -> None:
+    """Marks each checked block OK (kept) or CHECKSUM; waits for verdicts until `deadline`,
+    or (None) takes only those already known."""
+    for chunk, checks in pending:
+        if deadline is None and not checks.known():
+            continue
+        for (i, _, _, _), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
+            if ok:
+                job.statuses[i] = FetchStatus.OK
+                job.keep.append(job.keys[i])
+            else:
+                job.statuses[i] = FetchStatus.CHECKSUM
 
 
 def _verify_here(views: Sequence[memoryview], expected: Sequence[int], deadline: float) -> Checks:

@@ -45,6 +45,9 @@ class Checks:
         self._views = ()  # the slots are the reader's again
         self._done.set()
 
+    def known(self) -> bool:
+        return self._done.is_set()
+
     def wait(self, deadline: float) -> list[bool]:
         """Each block's verdict; raises TimeoutError if they are not known by `deadline`."""
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
