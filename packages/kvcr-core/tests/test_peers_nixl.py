@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers import client as client_module
 from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
@@ -234,8 +235,13 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
 def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
                                                                engine: NixlEngine) -> None:
     """Risk: a deadline that passes between READs throws away blocks that were read and
-    checked before it (or publishes the rest)."""
+    checked before it (or publishes the rest). The source has served these blocks before,
+    so their checksums come with the addresses."""
     source_runner, server, keys, _ = stocked_source(6, 25, nixl=True)
+    _, warm_store, warm_metrics = node()
+    warm = PeerClient(warm_store, SECRET, warm_metrics, nixl=True)
+    assert warm.fetch(server.endpoint, keys, deadline_s=10).fetched == 6  # checksums known
+    warm.close()
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
     posted = 0
@@ -258,6 +264,66 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
     assert store.contains(keys) == [True] * 2 + [False] * 4
     assert store.load(keys[:2]) == [pattern_block(k, BLOCK) for k in keys[:2]]
     assert store.index.filling_blocks == 0
+    client.close()
+    server.close()
+    source_runner.close()
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late-checksums", "older-client"])
+def test_checksums_late_or_with_the_addresses_check_every_block(
+        one_block_reads, late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: checksums that follow NixlBlocks (late_checksums) are applied to the wrong
+    blocks, or a client that did not offer the feature is sent them anyway."""
+    if not late:
+        monkeypatch.setattr(client_module, "_FEATURES", ())  # as a client that predates it
+    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", Transport.NIXL)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    keys = random_keys(3, seed=26)
+    result = client.fetch(source.endpoint, keys, deadline_s=10)
+    assert source.late is late
+    assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
+    assert store.contains(keys) == [True, False, True] and store.index.filling_blocks == 0
+    client.close()
+    source.close()
+
+
+def test_late_checksums_out_of_order_are_refused() -> None:
+    """Risk: a source that skips a checksum shifts the others onto the wrong blocks."""
+    source = FakePeerSource(SECRET, BLOCK, "sums_out_of_order", Transport.NIXL)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    keys = random_keys(3, seed=27)
+    result = client.fetch(source.endpoint, keys, deadline_s=10)
+    assert source.late
+    assert set(result.statuses) == {FetchStatus.PROTOCOL} and "NixlChecksums" in result.detail
+    assert store.lookup(keys) == 0 and store.index.filling_blocks == 0
+    client.close()
+    source.close()
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["late-checksums", "older-client"])
+def test_first_serves_in_a_row_keep_the_connection_in_step(
+        late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: checksums a source sends after NixlBlocks are left on the connection and read
+    as the answer to the next fetch (or sent to a client that did not ask for them). Each
+    fetch here is a first serve: the source stores its blocks again before it."""
+    if not late:
+        monkeypatch.setattr(client_module, "_FEATURES", ())
+    source_runner, server, keys, source_metrics = stocked_source(40, 28, nixl=True)
+    source_store = source_runner.namespace(NS)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    for _ in range(3):
+        with source_store.lock:
+            source_store.index.discard(keys)
+        source_store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+        with store.lock:
+            store.index.discard(keys)
+        result = client.fetch(server.endpoint, keys, deadline_s=10)
+        assert result.statuses == (FetchStatus.OK,) * 40
+        assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    assert source_metrics.connections == {"tcp": 0, "nixl": 1}  # one pooled connection
     client.close()
     server.close()
     source_runner.close()

@@ -110,8 +110,10 @@ class FakePeerSource:
     "ok", "wrong_bytes" (block 1's bytes are zeros under the right checksum), "stall" (TCP:
     falls silent inside block 1; NIXL: answers nothing until `release`), "die" (TCP: closes
     inside block 1; NIXL: closes before answering), "outside" (NIXL: names an address nobody
-    registered). Over NIXL its blocks lie in a region of this process's agent (the
-    client reads them as loopback). Serves one connection and one fetch."""
+    registered), "sums_out_of_order" (NIXL with late checksums: sends them from the second
+    block on). Over NIXL its blocks lie in a region of this process's agent (the client reads
+    them as loopback), and it sends the checksums late (after NixlBlocks) when the client
+    offered late_checksums. Serves one connection and one fetch."""
 
     def __init__(self, secret: PeerSecret, block_bytes: int, behaviour: str,
                  transport: Transport = Transport.TCP, max_blocks: int = 16) -> None:
@@ -122,6 +124,7 @@ class FakePeerSource:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.release = threading.Event()
+        self.late = False  # NIXL: sends checksums after NixlBlocks (the client offered it)
         self.region = HostRegion.create(max_blocks * block_bytes, RegionKind.ANONYMOUS)
         self.metadata = (NixlEngine.shared().register(self.region.address, self.region.size_bytes)
                          if self.nixl else b"")
@@ -141,9 +144,12 @@ class FakePeerSource:
             nonce = os.urandom(32)
             conn.sendall(pp.encode(pp.Challenge(1, nonce, self.secret.prove(b"server", nonce,
                                                                              hello.nonce))))
-            recv_frame(conn)
-            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, self.metadata) if self.nixl
-                                   else pp.Ready()))
+            auth = pp.decode_to_server(recv_frame(conn)[0])
+            assert isinstance(auth, pp.Auth)
+            self.late = self.nixl and pp.LATE_CHECKSUMS in auth.features
+            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, self.metadata,
+                                            [pp.LATE_CHECKSUMS] if self.late else [])
+                                   if self.nixl else pp.Ready()))
             fetch = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(fetch, pp.Fetch)
             blocks = [pattern_block(k, self.block_bytes) for k in fetch.keys]
@@ -180,5 +186,11 @@ class FakePeerSource:
         addresses = [self.region.address + i * size for i in range(len(blocks))]
         if self.behaviour == "outside":
             addresses[1] = 1 << 12  # the second page of the address space: never registered
-        conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses, sums)))
+        if not self.late:
+            conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses, sums)))
+        else:  # the first checksum with the addresses, the others after
+            skip = 1 if self.behaviour == "sums_out_of_order" else 0
+            conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses,
+                                                 sums[:1])))
+            conn.sendall(pp.encode(pp.NixlChecksums(seq, 1 + skip, sums[1 + skip:])))
         pp.decode_to_server(recv_frame(conn)[0])  # FetchDone

@@ -32,6 +32,12 @@ class SlotChecksums:
         self._sum = array.array("Q", [0]) * slots
         self.computed = 0  # checksums actually computed (the rest were reused)
 
+    def cached(self, slot: SlotId) -> int | None:
+        """Leased slot `slot`'s checksum if it is known already (None: `of` would hash)."""
+        if self._generation[slot] == self._index.generation(slot):
+            return self._sum[slot]
+        return None
+
     def of(self, slot: SlotId) -> int:
         """The checksum of leased slot `slot`'s bytes."""
         generation = self._index.generation(slot)

@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import select
 import socket
 import threading
 import time
@@ -48,6 +49,7 @@ from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
 _MAX_IDLE_PER_PEER = 4
+_FEATURES = (pp.LATE_CHECKSUMS,)  # offered with NIXL (tests turn it off to act older)
 _NIXL_BYTES_POSTED = 8 << 20  # READs in flight at once over an asynchronous transport
 _MAX_KNOWN_PEERS = 256
 _TCP_ANSWER_BACKOFF_S = 30.0  # a peer that answered an offer of NIXL with TCP: ask again later
@@ -111,6 +113,7 @@ class _Connection:
         self.sock = sock
         self.transport = transport
         self.nixl_peer = nixl_peer  # the source's NIXL agent, on a NIXL connection
+        self.late_checksums = False  # NIXL: checksums may follow NixlBlocks
         self.seq = 0
 
 
@@ -290,47 +293,62 @@ class PeerClient:
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
         """READs the found blocks chunk by chunk, keeping up to `_NIXL_BYTES_POSTED` in flight
         (over cma each READ completes as it is posted; over TCP or RDMA later ones move while
-        earlier ones are checked). Each completed chunk goes to the verifier thread, which
-        hashes it while the next is read (a fetch of one chunk is checked in line)."""
+        earlier ones are checked). Each completed chunk goes to the verifier thread as soon as
+        its checksums are known (late_checksums: they may arrive while we read), which hashes
+        it while the next is read (a fetch of one chunk is checked in line)."""
         found = sum(reply.found)
         if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
-                or len(reply.addresses) != found or len(reply.checksums) != found):
+                or len(reply.addresses) != found or len(reply.checksums) > found
+                or (len(reply.checksums) < found and not conn.late_checksums)):
             raise FrameError("a NixlBlocks reply that does not match the Fetch")
         assert self.nixl is not None and self._nixl_region is not None
         pool, base = self.store.pool, self._nixl_region
-        todo: list[tuple[int, SlotId, int, int]] = []  # key index, local slot, remote, checksum
-        sources = iter(zip(reply.addresses, reply.checksums, strict=True))
+        todo: list[tuple[int, SlotId, int]] = []  # key index, local slot, remote address
+        addresses = iter(reply.addresses)
         for i, present in zip(job.wanted, reply.found, strict=True):
             if not present:
                 job.statuses[i] = FetchStatus.MISSING
                 continue
             slot = job.slots[i]
             assert slot is not None
-            todo.append((i, slot, *next(sources)))
+            todo.append((i, slot, next(addresses)))
+        sums = list(reply.checksums)
         per_read = max(1, self.nixl.chunk_bytes // pool.slot_bytes)
         verify = self._verifier.submit if len(todo) > per_read else _verify_here
         most_posted = max(1, _NIXL_BYTES_POSTED // (per_read * pool.slot_bytes))
-        pending: list[tuple[list[tuple[int, SlotId, int, int]], Checks]] = []
-        posted: collections.deque[tuple[list[tuple[int, SlotId, int, int]], NixlRead]] = (
-            collections.deque())
+        posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # first, READ
+        unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
+        pending: list[tuple[Sequence[tuple[int, SlotId, int]], Checks]] = []
+
+        def check_what_we_can(wait: bool) -> None:
+            while unchecked:
+                first = unchecked[0]
+                chunk = todo[first:first + per_read]
+                if len(sums) < first + len(chunk):
+                    if self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait):
+                        continue
+                    return
+                unchecked.popleft()
+                pending.append((chunk, verify([pool.view(t[1]) for t in chunk],
+                                              sums[first:first + len(chunk)], job.deadline)))
 
         def settle_oldest() -> None:
-            chunk, request = posted.popleft()
+            first, request = posted.popleft()
             try:
                 request.wait(job.deadline)
             finally:
                 request.release()
-            job.received += len(chunk) * pool.slot_bytes
-            pending.append((chunk, verify([pool.view(t[1]) for t in chunk],
-                                          [t[3] for t in chunk], job.deadline)))
+            job.received += len(todo[first:first + per_read]) * pool.slot_bytes
+            unchecked.append(first)
+            check_what_we_can(wait=False)
 
         try:
             try:
-                for start in range(0, len(todo), per_read):
+                for first in range(0, len(todo), per_read):
                     if job.cancelled():
                         break
-                    chunk = todo[start:start + per_read]
-                    posted.append((chunk, self.nixl.post_read(
+                    chunk = todo[first:first + per_read]
+                    posted.append((first, self.nixl.post_read(
                         conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
                         [t[2] for t in chunk], pool.slot_bytes, job.deadline)))
                     # over cma the read is done already: check it while it is in cache
@@ -343,10 +361,28 @@ class PeerClient:
                     request.release()
             self._timeout(conn, job.deadline)
             conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
+            while len(sums) < found:  # all it owes, even if we stopped early: the stream
+                self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait=True)
+            check_what_we_can(wait=False)  # every checksum is here now
         except BaseException:
             _take_verdicts(job, pending, None)  # what was read and checked already is kept
             raise
         _take_verdicts(job, pending, job.deadline)
+        return True
+
+    def _more_checksums(self, conn: _Connection, seq: int, sums: list[int], found: int,
+                        deadline: float, wait: bool) -> bool:
+        """Appends the next NixlChecksums message's checksums to `sums`; False if `wait` is
+        off and none has arrived. Raises FrameError for one out of order or too many."""
+        if not wait and not select.select([conn.sock], [], [], 0)[0]:
+            return False
+        self._timeout(conn, deadline)
+        more = pp.decode_to_client(recv_frame(conn.sock)[0])
+        if (not isinstance(more, pp.NixlChecksums) or more.seq != seq
+                or more.start != len(sums) or len(sums) + len(more.checksums) > found
+                or not more.checksums):
+            raise FrameError("expected the next NixlChecksums of this fetch")
+        sums.extend(more.checksums)
         return True
 
     @staticmethod
@@ -392,7 +428,7 @@ class PeerClient:
             self._timeout(conn, deadline)
             offer = (Transport.NIXL.value,) if self._nixl_ready(endpoint) else ()
             ready = authenticate(sock, self.secret, self.store.digest, self.store.block_bytes,
-                                 endpoint, offer)
+                                 endpoint, offer, _FEATURES if offer else ())
             if ready.transport == Transport.NIXL.value and offer:
                 assert self.nixl is not None
                 try:
@@ -402,6 +438,8 @@ class PeerClient:
                     sock.close()
                     return self._connect(endpoint, deadline)  # again, offering TCP only
                 conn.transport = Transport.NIXL
+                conn.late_checksums = (pp.LATE_CHECKSUMS in ready.features
+                                       and pp.LATE_CHECKSUMS in _FEATURES)  # only if offered
             elif ready.transport != Transport.TCP.value:
                 raise FrameError(f"the peer chose transport {ready.transport!r}, not offered")
             elif offer:  # the peer has no NIXL (yet): keep TCP for a while
@@ -436,7 +474,7 @@ class PeerClient:
         return True
 
 
-def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, SlotId, int, int]],
+def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, SlotId, int]],
                                                         Checks]],
                    deadline: float | None) -> None:
     """Marks each checked block OK (kept) or CHECKSUM; waits for verdicts until `deadline`,
@@ -444,7 +482,7 @@ def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, Slot
     for chunk, checks in pending:
         if deadline is None and not checks.known():
             continue
-        for (i, _, _, _), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
+        for (i, _, _), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
             if ok:
                 job.statuses[i] = FetchStatus.OK
                 job.keep.append(job.keys[i])
@@ -459,10 +497,12 @@ def _verify_here(views: Sequence[memoryview], expected: Sequence[int], deadline:
 
 
 def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,
-                 endpoint: str, transports: Sequence[str] = ()) -> pp.Ready:
+                 endpoint: str, transports: Sequence[str] = (),
+                 features: Sequence[str] = ()) -> pp.Ready:
     """The client half of the handshake (docs/peers.md); the socket's timeout bounds it.
     An empty `namespace` asks for an inventory-only session; `transports` offers extras
-    beyond TCP. Returns the source's Ready (which transport it chose)."""
+    beyond TCP, `features` protocol features. Returns the source's Ready (which transport it
+    chose, which features it accepted)."""
     nonce = new_nonce()
     sock.sendall(pp.encode(pp.Hello(pp.PEER_PROTOCOL_VERSION, nonce)))
     challenge = pp.decode_to_client(recv_frame(sock)[0])
@@ -473,7 +513,7 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
     if not secret.check(b"server", challenge.nonce, nonce, challenge.mac):
         raise PeerRefused("auth", f"{endpoint} does not know the shared peer secret")
     sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce), namespace,
-                                   block_bytes, list(transports))))
+                                   block_bytes, list(transports), list(features))))
     ready = pp.decode_to_client(recv_frame(sock)[0])
     if isinstance(ready, pp.Refused):
         raise PeerRefused(ready.reason, ready.detail)

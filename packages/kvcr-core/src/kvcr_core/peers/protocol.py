@@ -5,8 +5,9 @@ Handshake (destination = client, source = server):
   C -> S  Hello(version, nonce_c)
   S -> C  Challenge(version, nonce_s, HMAC(secret, "server", nonce_s, nonce_c))
   C -> S  Auth(HMAC(secret, "client", nonce_c, nonce_s), namespace digest, block_bytes,
-               transports offered beyond TCP)
-  S -> C  Ready(transport, NIXL agent metadata if "nixl")  |  Refused(reason, detail)
+               transports offered beyond TCP, features offered)
+  S -> C  Ready(transport, NIXL agent metadata if "nixl", features accepted)
+          |  Refused(reason, detail)
 Both sides check the other's MAC; the namespace is checked only after authentication. The
 source picks NIXL only when the destination offered it and it has NIXL running itself;
 otherwise (and always with TLS) blocks travel over this TCP connection. Then, any number of
@@ -17,7 +18,13 @@ times, on a TCP connection:
 and on a NIXL connection (the control messages stay on this connection):
   C -> S  Fetch(seq, keys)
   S -> C  NixlBlocks(seq, found, addresses, checksums)   (found blocks leased until...)
+  S -> C  NixlChecksums(seq, start, checksums)  ...       (with "late_checksums", see below)
   C -> S  FetchDone(seq)                                  (...the destination has read them)
+Feature "late_checksums" (NIXL connections, when both sides name it): NixlBlocks may carry
+the checksums of only its first k found blocks (those the source had already computed), so
+the destination starts reading at once; the rest follow, in order, in NixlChecksums messages
+(`start` = how many were given before) sent while it reads, all before the source reads
+FetchDone.
 The destination verifies every block against the source's checksum and publishes only blocks
 that match; a transfer cut short keeps the blocks that arrived whole and verified. Optional
 trailing fields keep version-1 peers without NIXL compatible both ways.
@@ -39,6 +46,7 @@ PEER_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_FETCH: Final = 4096
 MAX_INVENTORY_BATCHES: Final = 16  # 16 batches of <= 4096 events fit a 1 MiB frame
 MAX_AGENT_METADATA_BYTES: Final = 64 << 10  # a UCX agent's is about 0.5 KiB
+LATE_CHECKSUMS: Final = "late_checksums"  # the one feature so far (see the module docstring)
 
 Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
@@ -72,11 +80,13 @@ class Auth(_Msg, tag="auth"):
     namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
     block_bytes: int
     transports: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # offered beyond TCP
+    features: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # protocol features offered
 
 
 class Ready(_Msg, tag="ready"):
     transport: str = Transport.TCP.value
     nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
+    features: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # of those offered
 
 
 class Refused(_Msg, tag="refused"):
@@ -96,11 +106,21 @@ class Blocks(_Msg, tag="blocks"):
 
 class NixlBlocks(_Msg, tag="nixl_blocks"):
     """The answer to a Fetch on a NIXL connection: for each found key, in order, where its
-    bytes lie in the source's registered pool and their checksum. Leased until FetchDone."""
+    bytes lie in the source's registered pool and their checksum (with late_checksums, those
+    of the first found keys only). Leased until FetchDone."""
 
     seq: int
     found: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
     addresses: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class NixlChecksums(_Msg, tag="nixl_checksums"):
+    """More checksums for NixlBlocks `seq` (late_checksums): of its found blocks `start`,
+    `start + 1`, ..."""
+
+    seq: int
+    start: int
     checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
 
 
@@ -152,7 +172,8 @@ class RefuseReason(enum.Enum):
 
 
 ToServer = Hello | Auth | Fetch | FetchDone | Inventory | PostHint
-ToClient = Challenge | Ready | Refused | Blocks | NixlBlocks | InventoryReply | HintPosted
+ToClient = (Challenge | Ready | Refused | Blocks | NixlBlocks | NixlChecksums | InventoryReply
+            | HintPosted)
 
 _encoder = msgspec.msgpack.Encoder()
 _server_decoder = msgspec.msgpack.Decoder(ToServer)

@@ -153,7 +153,7 @@ class PeerServer:
         try:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)
-            store, nixl = self._handshake(conn)
+            store, nixl, late = self._handshake(conn)
             while True:
                 message = pp.decode_to_server(self._next_frame(conn, nixl))
                 if isinstance(message, pp.Inventory):
@@ -162,7 +162,7 @@ class PeerServer:
                     conn.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
                 elif isinstance(message, pp.Fetch) and store is not None:
                     if nixl:
-                        self._fetch_nixl(conn, store, message, owner)
+                        self._fetch_nixl(conn, store, message, owner, late)
                     else:
                         self._fetch(conn, store, message, owner)
                 else:
@@ -179,8 +179,9 @@ class PeerServer:
                 self._workers.discard(threading.current_thread())
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> tuple[NamespaceStore | None, bool]:
-        """(the peer's namespace, or None for an inventory reader; whether it uses NIXL)."""
+    def _handshake(self, conn: socket.socket) -> tuple[NamespaceStore | None, bool, bool]:
+        """(the peer's namespace, or None for an inventory reader; whether it uses NIXL;
+        whether checksums may follow NixlBlocks: feature late_checksums)."""
         hello = pp.decode_to_server(recv_frame(conn)[0])
         if not isinstance(hello, pp.Hello):
             raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
@@ -197,7 +198,7 @@ class PeerServer:
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
         if not auth.namespace:  # an inventory reader (a router)
             conn.sendall(pp.encode(pp.Ready()))
-            return None, False
+            return None, False, False
         if len(auth.namespace) != 16:
             raise _Refuse(RefuseReason.MALFORMED, "a namespace digest is 16 bytes")
         try:
@@ -210,12 +211,14 @@ class PeerServer:
                           f"the peer expects {auth.block_bytes}")
         region = self._nixl_region(store) if Transport.NIXL.value in auth.transports else None
         nixl = region is not None
+        late = nixl and pp.LATE_CHECKSUMS in auth.features
         if region is not None:
-            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, region[2])))
+            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, region[2],
+                                            [pp.LATE_CHECKSUMS] if late else [])))
         else:
             conn.sendall(pp.encode(pp.Ready()))
         self.metrics.on_connection(Transport.NIXL if nixl else Transport.TCP)
-        return store, nixl
+        return store, nixl, late
 
     def _next_frame(self, conn: socket.socket, nixl: bool, reading: bool = False) -> bytearray:
         """The next frame. On a NIXL connection NIXL progress is driven while waiting for it:
@@ -256,19 +259,33 @@ class PeerServer:
             store.release(lease.op)
 
     def _fetch_nixl(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
-                    owner: OwnerId) -> None:
-        """Tells where the blocks lie; the destination READs them, then says FetchDone."""
+                    owner: OwnerId, late: bool) -> None:
+        """Tells where the blocks lie; the destination READs them, then says FetchDone. With
+        `late` (late_checksums) the answer goes out at once with the checksums already known,
+        and the others follow group by group while the destination reads."""
         region = self._nixl_region(store)
         if region is None:
             raise ConnectionAbortedError("the server is closing")
         base = region[0]
         lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
         try:
-            offset, sums = store.pool.offset, self._checksums(store).of
+            offset, sums = store.pool.offset, self._checksums(store)
             slots = [s for s in lease.slots if s is not None]
+            known: list[int] = []
+            for slot in slots:
+                value = sums.cached(slot) if late else sums.of(slot)
+                if value is None:
+                    break
+                known.append(value)
             conn.sendall(pp.encode(pp.NixlBlocks(
                 fetch.seq, [s is not None for s in lease.slots],
-                [base + offset(s) for s in slots], [sums(s) for s in slots])))
+                [base + offset(s) for s in slots], known)))
+            per_group = max(1, _SEND_GROUP_BYTES // store.block_bytes)
+            for start in range(len(known), len(slots), per_group):
+                group = [sums.of(s) for s in slots[start:start + per_group]]
+                conn.sendall(pp.encode(pp.NixlChecksums(fetch.seq, start, group)))
+                if self.nixl is not None:
+                    self.nixl.progress()  # UCX over TCP serves the reads only when we do
             done = pp.decode_to_server(self._next_frame(conn, nixl=True, reading=True))
             if not isinstance(done, pp.FetchDone) or done.seq != fetch.seq:
                 raise _Refuse(RefuseReason.MALFORMED, f"expected FetchDone({fetch.seq})")
