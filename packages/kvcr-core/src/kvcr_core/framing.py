@@ -7,6 +7,7 @@ callers set timeouts for deadlines). Pure functions; thread-safe per socket owne
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import struct
@@ -26,6 +27,17 @@ def frame(payload: bytes, limit: int = MAX_FRAME_BYTES) -> bytes:
     if len(payload) > limit:
         raise ValueError(f"message of {len(payload)} bytes exceeds {limit}")
     return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has bytes (or EOF) within `timeout_s` (0: now), with microsecond
+    resolution where select() can take the descriptor (poll() rounds up to whole ms)."""
+    if sock.fileno() < 1024:  # FD_SETSIZE
+        return bool(select.select([sock], [], [], timeout_s)[0])
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(round(timeout_s * 1000) if timeout_s <= 0 else
+                            max(1, round(timeout_s * 1000))))
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:

@@ -21,7 +21,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import select
 import socket
 import threading
 import time
@@ -30,7 +29,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvcr_core.framing import FrameError, recv_exact_into, recv_frame
+from kvcr_core.framing import FrameError, readable, recv_exact_into, recv_frame
 from kvcr_core.hints import Endpoint
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
@@ -374,7 +373,7 @@ class PeerClient:
                         deadline: float, wait: bool) -> bool:
         """Appends the next NixlChecksums message's checksums to `sums`; False if `wait` is
         off and none has arrived. Raises FrameError for one out of order or too many."""
-        if not wait and not select.select([conn.sock], [], [], 0)[0]:
+        if not wait and not readable(conn.sock, 0):
             return False
         self._timeout(conn, deadline)
         more = pp.decode_to_client(recv_frame(conn.sock)[0])

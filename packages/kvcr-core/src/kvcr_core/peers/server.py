@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import select
 import socket
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Final
 import msgspec
 
 from kvcr_core.errors import UnknownNamespaceError
-from kvcr_core.framing import FrameError, recv_frame, send_all
+from kvcr_core.framing import FrameError, readable, recv_frame, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.checksums import SlotChecksums
@@ -45,16 +44,6 @@ _PEER_OWNER_BASE = 1 << 40  # owner ids of peer connections never clash with gua
 _READING_PROGRESS_S: Final = 0.0001  # a peer is reading: UCX over a network needs us often
 _IDLE_PROGRESS_MAX_S: Final = 0.05  # between fetches: connection set-up and keep-alives only
 _SEND_GROUP_BYTES: Final = 1 << 20  # blocks per gather send (their checksums come first)
-
-
-def _readable(conn: socket.socket, timeout_s: float) -> bool:
-    """Whether `conn` has bytes (or EOF) within `timeout_s`, with microsecond resolution where
-    select() can take the descriptor (poll() rounds up to whole milliseconds)."""
-    if conn.fileno() < 1024:  # FD_SETSIZE
-        return bool(select.select([conn], [], [], timeout_s)[0])
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    return bool(poller.poll(max(1, round(timeout_s * 1000))))
 
 
 class _Refuse(Exception):
@@ -228,7 +217,7 @@ class PeerServer:
         if nixl and self.nixl is not None:
             end = time.monotonic() + self.io_timeout_s
             pause = _READING_PROGRESS_S if reading else 0.001
-            while not _readable(conn, pause):
+            while not readable(conn, pause):
                 self.nixl.progress()
                 if time.monotonic() >= end:
                     raise TimeoutError("peer silent past the I/O deadline")
