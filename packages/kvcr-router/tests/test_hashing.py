@@ -106,12 +106,10 @@ def test_chat_renders_the_template_then_encodes_without_special_tokens() -> None
     assert hasher.tokens("chat", image) is None
 
 
-def test_real_tokenizer_and_template_of_the_tiny_model() -> None:
-    """The Hugging Face seam loads the model folder vLLM serves and applies its template."""
-    model = REPO / ".cache" / "models" / "tiny-test"
-    if not (model / "tokenizer.json").exists():
-        pytest.skip("the tiny model is built by the kvcr-vllm tests (kvcr_vllm.tiny_model)")
-    tok = HfTokenizer(str(model))
+def test_real_tokenizer_and_template_of_the_tiny_model(tiny_model: str) -> None:
+    """The Hugging Face seam loads the model folder vLLM serves and applies its template
+    (the model comes from the shared fixture: this test used to skip when it ran first)."""
+    tok = HfTokenizer(tiny_model)
     hasher = PromptHasher(SPEC.digest(), 32, tok)
     chat = hasher.tokens("chat", {"messages": [{"role": "user", "content": "hello there"}]})
     assert chat == tok.encode("<|user|>hello there\n<|assistant|>", add_special_tokens=False)
