@@ -111,6 +111,7 @@ def test_bench_peer_quick_json_reports_both_transports() -> None:
                 if r["path"] == "loopback"}
     sizes = {65536, 262144, 2097152}
     assert loopback == {(t, b) for t in (("tcp", "nixl") if nixl else ("tcp",)) for b in sizes}
+    assert all(r["raw_checked_ratio"] > 0 for r in result["rows"])  # the verified reference
 
 
 def test_import_kvcr_core_pulls_no_engine_or_heavy_dependency(tmp_path: Path) -> None:
