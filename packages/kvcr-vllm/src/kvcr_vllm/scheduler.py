@@ -347,5 +347,8 @@ class KVCRConnectorScheduler:
                 self.stats.failure("guard_unavailable")
 
     def shutdown(self) -> None:
+        if self._peer_client is not None:  # before the embedded pool goes: fetches land there
+            self._peer_client.close()
+            self._peer_client = None
         for client in self.clients:
             client.close()
