@@ -11,6 +11,8 @@ daemon).
 NIXL (when the destination offers it, this process has it running, and TLS is off): the pool
 region of a namespace is registered once; a Fetch is answered with the blocks' addresses and
 checksums, and the lease is held until the destination's FetchDone (or the connection ends).
+With late_checksums (both sides name it) the answer goes out at once with the checksums
+already known, and the others follow, 1 MiB of blocks at a time, while the destination reads.
 NIXL's progress thread is off, so while a NIXL peer may be connecting or reading, its
 connection thread drives progress between polls of the socket (backing off to 50 ms when idle).
 """
