@@ -43,7 +43,7 @@ from kvcr_core.peers.nixl_transport import (
 )
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
-from kvcr_core.peers.verifier import Checks, Verifier
+from kvcr_core.peers.verifier import Checks, Verifier, check_here
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
@@ -313,7 +313,7 @@ class PeerClient:
             todo.append((i, slot, next(addresses)))
         sums = list(reply.checksums)
         per_read = max(1, self.nixl.chunk_bytes // pool.slot_bytes)
-        verify = self._verifier.submit if len(todo) > per_read else _verify_here
+        verify = self._verifier.submit if len(todo) > per_read else check_here
         most_posted = max(1, _NIXL_BYTES_POSTED // (per_read * pool.slot_bytes))
         posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # first, READ
         unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
@@ -337,7 +337,7 @@ class PeerClient:
                 request.wait(job.deadline)
             finally:
                 request.release()
-            job.received += len(todo[first:first + per_read]) * pool.slot_bytes
+            job.received += min(per_read, len(todo) - first) * pool.slot_bytes
             unchecked.append(first)
             check_what_we_can(wait=False)
 
@@ -487,12 +487,6 @@ def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, Slot
                 job.keep.append(job.keys[i])
             else:
                 job.statuses[i] = FetchStatus.CHECKSUM
-
-
-def _verify_here(views: Sequence[memoryview], expected: Sequence[int], deadline: float) -> Checks:
-    checks = Checks(views, expected)
-    checks.run()
-    return checks
 
 
 def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,

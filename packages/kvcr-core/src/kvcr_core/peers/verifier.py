@@ -57,6 +57,15 @@ class Checks:
         return self._ok
 
 
+def check_here(views: Sequence[memoryview], expected: Sequence[int],
+               deadline: float = 0.0) -> Checks:
+    """Checks a chunk in the caller (a fetch of one chunk, or after `close()`); same signature
+    as `Verifier.submit`."""
+    checks = Checks(views, expected)
+    checks.run()
+    return checks
+
+
 class Verifier:
     def __init__(self, max_pending: int = 64) -> None:
         self._queue: queue.Queue[Checks | None] = queue.Queue(max_pending)
@@ -68,16 +77,14 @@ class Verifier:
                deadline: float) -> Checks:
         """Queues a chunk for checking; raises TimeoutError if the queue stays full past
         `deadline`."""
-        checks = Checks(views, expected)
         with self._lock:
-            inline = self._closed
-            if not inline and self._thread is None:
+            if self._closed:
+                return check_here(views, expected)
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="kvcr-verify",
                                                 daemon=True)
                 self._thread.start()
-        if inline:
-            checks.run()
-            return checks
+        checks = Checks(views, expected)
         try:
             self._queue.put(checks, timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
