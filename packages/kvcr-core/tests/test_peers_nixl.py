@@ -232,6 +232,41 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
     source_runner.close()
 
 
+def test_reads_of_shrinking_size_check_every_block_where_it_lands(
+        engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: with READs of different sizes (read_plan: 7, 8, 8, 4, 2, 1 blocks here) a chunk
+    is checked against another chunk's checksums, a block is skipped, or the last chunk (checked
+    in the reader, not on the verifier thread) is published unchecked. Source blocks in the
+    first, a middle and the last chunk are overwritten after their checksums were taken."""
+    monkeypatch.setattr(engine, "chunk_bytes", 8 * BLOCK)
+    monkeypatch.setattr(client_module, "_NIXL_LAST_READ_BYTES", BLOCK)
+    assert client_module.read_plan(30, BLOCK, 8 * BLOCK, BLOCK) == [7, 8, 8, 4, 2, 1]
+    source_runner, server, keys, _ = stocked_source(30, 26, nixl=True)
+    _, warm, warm_metrics = node()
+    first = PeerClient(warm, SECRET, warm_metrics, nixl=True)
+    assert first.fetch(server.endpoint, keys, deadline_s=10).fetched == 30  # checksums taken
+    source = source_runner.namespace(NS)
+    bad = (0, 20, 29)
+    for i in bad:
+        slot = source.index.slot_of(keys[i])
+        assert slot is not None
+        source.pool.view(slot)[:] = bytes(BLOCK)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    result = client.fetch(server.endpoint, keys, deadline_s=10)
+    assert result.transport is Transport.NIXL
+    assert result.statuses == tuple(FetchStatus.CHECKSUM if i in bad else FetchStatus.OK
+                                    for i in range(30))
+    good = [k for i, k in enumerate(keys) if i not in bad]
+    assert store.load(good) == [pattern_block(k, BLOCK) for k in good]
+    assert store.contains(keys) == [i not in bad for i in range(30)]
+    assert metrics.fetched["checksum"] == 3 and store.index.filling_blocks == 0
+    for peer in (first, client):
+        peer.close()
+    server.close()
+    source_runner.close()
+
+
 def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
                                                                engine: NixlEngine) -> None:
     """Risk: a deadline that passes between READs throws away blocks that were read and

@@ -113,7 +113,7 @@ class NixlEngine:
     _shared: ClassVar[NixlEngine | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, chunk_bytes: int = 2 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 16 << 20) -> None:
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
         self.chunk_bytes = chunk_bytes
         self.state = EngineState.IDLE
