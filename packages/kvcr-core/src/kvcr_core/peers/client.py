@@ -9,7 +9,8 @@ that does not match is dropped and counted. Per-key results carry reasons (`Fetc
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
 each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
-and each chunk is verified on the `Verifier` thread while the next is read); on timeout or
+in the shrinking sizes of `read_plan`, and each chunk but the last is verified on the
+`Verifier` thread while the next is read); on timeout or
 cancel nothing half-written becomes READY, and a connection whose stream could be out of
 step is dropped. `fetch_async` returns a handle (poll / result / cancel) and runs on a
 bounded pool of threads; beyond the bound it refuses at once (CAPACITY) instead of queueing.

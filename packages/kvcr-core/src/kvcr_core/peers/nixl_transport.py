@@ -115,7 +115,7 @@ class NixlEngine:
 
     def __init__(self, chunk_bytes: int = 16 << 20) -> None:
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes  # the largest READ a PeerClient posts (read_plan)
         self.state = EngineState.IDLE
         self.failure = ""
         self._agent: Any = None
