@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.config import KVCRConfig
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.peers import client as client_module
-from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
+from kvcr_core.peers.nixl_transport import NixlEngine, NixlRead, nixl_installed
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import FakePeerSource, pattern_block, random_keys
@@ -196,8 +196,8 @@ def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     source.close()
 
 
-def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
-                                                             engine: NixlEngine) -> None:
+def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
+        one_block_reads, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: with READs in flight and checks pending, a cancel publishes unchecked blocks or
     leaves slots FILLING; without one, bytes land in the wrong slots."""
     source_runner, server, keys, _ = stocked_source(40, 24, nixl=True)
@@ -209,20 +209,18 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(one_block_reads,
 
     cancel = threading.Event()
     posted = 0
-    post_read = engine.post_read
+    start = NixlRead.start
 
-    def post_then_cancel(*args: object, **kwargs: object) -> object:
+    def start_then_cancel(read: NixlRead, deadline: float) -> None:
         nonlocal posted
         posted += 1
         if posted == 3:
             cancel.set()  # the caller cancels while this fetch is mid-way
-        return post_read(*args, **kwargs)  # type: ignore[arg-type]
+        start(read, deadline)
 
-    engine.post_read = post_then_cancel  # type: ignore[method-assign]
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(NixlRead, "start", start_then_cancel)
         result = client.fetch(server.endpoint, keys[20:], deadline_s=10, cancel=cancel)
-    finally:
-        del engine.post_read
     assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
     assert store.contains(keys[20:]) == [True] * 3 + [False] * 17
     assert store.load(keys[20:23]) == [pattern_block(k, BLOCK) for k in keys[20:23]]
@@ -267,8 +265,8 @@ def test_reads_of_shrinking_size_check_every_block_where_it_lands(
     source_runner.close()
 
 
-def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
-                                                               engine: NixlEngine) -> None:
+def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
+        one_block_reads, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: a deadline that passes between READs throws away blocks that were read and
     checked before it (or publishes the rest). The source has served these blocks before,
     so their checksums come with the addresses."""
@@ -280,21 +278,18 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(one_block_reads,
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
     posted = 0
-    post_read = engine.post_read
+    start = NixlRead.start
 
-    def slow_third(peer: str, local: list[int], remote: list[int], nbytes: int,
-                   deadline: float) -> object:
+    def slow_third(read: NixlRead, deadline: float) -> None:
         nonlocal posted
         posted += 1
         if posted == 3:
             time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)  # the source stalls
-        return post_read(peer, local, remote, nbytes, deadline)
+        start(read, deadline)
 
-    engine.post_read = slow_third  # type: ignore[assignment]
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(NixlRead, "start", slow_third)
         result = client.fetch(server.endpoint, keys, deadline_s=1.0)
-    finally:
-        del engine.post_read
     assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
     assert store.contains(keys) == [True] * 2 + [False] * 4
     assert store.load(keys[:2]) == [pattern_block(k, BLOCK) for k in keys[:2]]

@@ -70,3 +70,30 @@ def test_after_close_checks_run_in_the_caller() -> None:
     verifier.close()
     assert not any(t.name == "kvcr-verify" for t in threading.enumerate())
     assert verifier.submit([view], [checksum(view) ^ 1], deadline).wait(deadline) == [False]
+
+
+def test_a_chunk_claimed_by_both_threads_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: the reader helping the verifier thread hashes a chunk the thread is already on
+    (wasted work), or skips one neither has done (a verdict never comes)."""
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def slow_checksum(view: memoryview) -> int:
+        calls.append(1)
+        gate.wait(5)
+        return checksum(view)
+
+    monkeypatch.setattr(verifier_module, "checksum", slow_checksum)
+    verifier = Verifier()
+    deadline = time.monotonic() + 5
+    views = blocks(2)
+    busy = verifier.submit(views[:1], [checksum(views[0])], deadline)  # the thread takes it
+    while not calls:
+        time.sleep(0.001)
+    queued = verifier.submit(views[1:], [checksum(views[1])], deadline)
+    busy.run()  # already claimed by the thread: returns at once
+    gate.set()
+    queued.run()  # unclaimed: the caller hashes it here
+    assert busy.wait(deadline) == [True] and queued.wait(deadline) == [True]
+    verifier.close()
+    assert len(calls) == 2

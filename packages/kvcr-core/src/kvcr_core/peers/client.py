@@ -9,8 +9,8 @@ that does not match is dropped and counted. Per-key results carry reasons (`Fetc
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
 each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
-in the shrinking sizes of `read_plan`, and each chunk but the last is verified on the
-`Verifier` thread while the next is read); on timeout or
+in the shrinking sizes of `read_plan`, and each chunk is verified on the `Verifier` thread
+while the next is read, the reader helping once its READs are done); on timeout or
 cancel nothing half-written becomes READY, and a connection whose stream could be out of
 step is dropped. `fetch_async` returns a handle (poll / result / cancel) and runs on a
 bounded pool of threads; beyond the bound it refuses at once (CAPACITY) instead of queueing.
@@ -294,10 +294,11 @@ class PeerClient:
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
         """READs the found blocks in the chunks of `read_plan`, keeping up to
         `_NIXL_BYTES_POSTED` in flight (over cma each READ completes as it is posted; over TCP
-        or RDMA later ones move while earlier ones are checked). Each completed chunk but the
-        last goes to the verifier thread as soon as its checksums are known (late_checksums:
-        they may arrive while we read), which hashes it while the next is read; the last is
-        checked here, while it is still in this core's cache."""
+        or RDMA later ones move while earlier ones are checked). Each completed chunk goes to
+        the verifier thread as soon as its checksums are known (late_checksums: they may
+        arrive while we read), which hashes it while the next is read; once every READ is
+        done this thread checks, newest first, the chunks the verifier has not begun (the
+        last is still in this core's cache). A fetch of one chunk is checked here."""
         found = sum(reply.found)
         if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
                 or len(reply.addresses) != found or len(reply.checksums) > found
@@ -326,6 +327,9 @@ class PeerClient:
         posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # chunk, READ
         unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
         pending: list[tuple[Sequence[tuple[int, SlotId, int]], Checks]] = []
+        reads: list[NixlRead] = []
+        views = [[pool.view(t[1]) for t in chunk] for chunk in chunks]
+        verify = self._verifier.submit if len(chunks) > 1 else check_here
         in_flight = 0
 
         def check_what_we_can(wait: bool) -> None:
@@ -337,44 +341,46 @@ class PeerClient:
                         continue
                     return
                 unchecked.popleft()
-                verify = check_here if n == len(chunks) - 1 else self._verifier.submit
-                pending.append((chunk, verify([pool.view(t[1]) for t in chunk],
-                                              sums[first:first + len(chunk)], job.deadline)))
+                pending.append((chunk, verify(views[n], sums[first:first + len(chunk)],
+                                              job.deadline)))
 
         def settle_oldest() -> None:
             nonlocal in_flight
             n, request = posted.popleft()
-            try:
-                request.wait(job.deadline)
-            finally:
-                request.release()
+            request.wait(job.deadline)
             in_flight -= len(chunks[n]) * pool.slot_bytes
             job.received += len(chunks[n]) * pool.slot_bytes
             unchecked.append(n)
             check_what_we_can(wait=False)
+            request.release()
 
         try:
             try:
-                for n, chunk in enumerate(chunks):
+                for chunk in chunks:  # every READ made before the first copy: little Python
+                    reads.append(self.nixl.prepare_read(  # runs between copies
+                        conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
+                        [t[2] for t in chunk], pool.slot_bytes))
+                for n, request in enumerate(reads):
                     if job.cancelled():
                         break
-                    posted.append((n, self.nixl.post_read(
-                        conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
-                        [t[2] for t in chunk], pool.slot_bytes, job.deadline)))
-                    in_flight += len(chunk) * pool.slot_bytes
+                    request.start(job.deadline)
+                    posted.append((n, request))
+                    in_flight += len(chunks[n]) * pool.slot_bytes
                     # over cma the read is done already: check it while it is in cache
                     while posted and (in_flight >= _NIXL_BYTES_POSTED or posted[0][1].poll()):
                         settle_oldest()
                 while posted:
                     settle_oldest()
             finally:
-                for _, request in posted:
+                for request in reads:
                     request.release()
             self._timeout(conn, job.deadline)
             conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
             while len(sums) < found:  # all it owes, even if we stopped early: the stream
                 self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait=True)
             check_what_we_can(wait=False)  # every checksum is here now
+            for _, checks in reversed(pending):  # help: the newest are likeliest unclaimed
+                checks.run()
         except BaseException:
             _take_verdicts(job, pending, None)  # what was read and checked already is kept
             raise

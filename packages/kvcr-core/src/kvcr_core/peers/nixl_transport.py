@@ -254,17 +254,24 @@ class NixlEngine:
 
     def post_read(self, peer: str, local: Sequence[int], remote: Sequence[int], nbytes: int,
                   deadline: float) -> NixlRead:
-        """Starts a READ of `nbytes` from each `remote[i]` of agent `peer` into `local[i]`.
-        Over cma the bytes move inside this call; over an asynchronous transport (UCX over
-        TCP, RDMA) they move while the caller does other work and polls. The caller must
-        `release()` the returned request (which cancels it if unfinished) before reusing the
-        local memory.
-
-        Raises TimeoutError if `deadline` has passed, NixlRequestRefused if NIXL refuses the
-        request (addresses outside what the source registered, or an unknown agent), and
-        NixlError if posting fails."""
+        """Starts a READ of `nbytes` from each `remote[i]` of agent `peer` into `local[i]`:
+        `prepare_read`, then `NixlRead.start`, with their errors. The caller must `release()`
+        the returned request (which cancels it if unfinished) before reusing the local
+        memory."""
         if time.monotonic() >= deadline:
             raise TimeoutError("deadline passed before a NIXL read")
+        request = self.prepare_read(peer, local, remote, nbytes)
+        request.start(deadline)
+        return request
+
+    def prepare_read(self, peer: str, local: Sequence[int], remote: Sequence[int],
+                     nbytes: int) -> NixlRead:
+        """A READ of `nbytes` from each `remote[i]` of agent `peer` into `local[i]`, made
+        ready to `start()` (a reader prepares the READs of a fetch before the first copy, so
+        little Python runs between copies). The caller must `release()` it.
+
+        Raises NixlRequestRefused if NIXL refuses the request (addresses outside what the
+        source registered, or an unknown agent)."""
         with self._lock:
             agent = self._require()
             try:
@@ -273,14 +280,7 @@ class NixlEngine:
                     agent.get_xfer_descs([(a, nbytes, 0) for a in remote], "DRAM"), peer)
             except Exception as exc:
                 raise NixlRequestRefused(f"transfer request refused: {exc}") from exc
-        request = NixlRead(self, agent, handle, peer)
-        try:
-            with self._lock:
-                request.state = str(agent.transfer(handle))
-        except Exception as exc:
-            request.release()
-            raise NixlError(f"posting a transfer failed: {exc}") from exc
-        return request
+        return NixlRead(self, agent, handle, peer)
 
     def _release(self, agent: Any, handle: Any, peer: str) -> None:
         with self._lock:
@@ -309,18 +309,35 @@ class NixlEngine:
 
 
 class NixlRead:
-    """One posted READ: `poll()` (progresses it; True once done), `wait(deadline)`, and
-    `release()` (always; cancels it if unfinished). Not shared between threads."""
+    """One READ: `start(deadline)` (`post_read` does it), `poll()` (progresses it; True once
+    done), `wait(deadline)`, and `release()` (always; cancels it if unfinished). Not shared
+    between threads."""
 
     def __init__(self, engine: NixlEngine, agent: Any, handle: Any, peer: str) -> None:
         self._engine = engine
         self._agent = agent
         self._handle: Any = handle
         self.peer = peer
-        self.state = "PROC"
+        self.state = "INIT"
+
+    def start(self, deadline: float) -> None:
+        """Posts it. Over cma the bytes move inside this call (which releases the GIL); over
+        an asynchronous transport (UCX over TCP, RDMA) they move while the caller does other
+        work and polls. Raises TimeoutError if `deadline` has passed, NixlError if posting
+        fails (the request is released then)."""
+        if time.monotonic() >= deadline:
+            raise TimeoutError("deadline passed before a NIXL read")
+        try:
+            with self._engine._lock:
+                self.state = str(self._agent.transfer(self._handle))
+        except Exception as exc:
+            self.release()
+            raise NixlError(f"posting a transfer failed: {exc}") from exc
 
     def poll(self) -> bool:
-        """Raises NixlError if the transfer failed (the source died)."""
+        """Raises NixlError if the transfer failed (the source died). False until started."""
+        if self.state == "INIT":
+            return False
         if self.state == "PROC" and self._handle is not None:
             with self._engine._lock:
                 self.state = str(self._agent.check_xfer_state(self._handle))

@@ -6,8 +6,10 @@ and hash on one core. Handing each chunk to this thread lets the hash of one chu
 another core while the next chunk is copied (NIXL's post and xxh3 both release the GIL).
 
 Results come back through a `Checks` handle that the reader waits on, bounded by its
-deadline; the reader alone publishes, so a fetch that fails, is cancelled or times out simply
-never collects its remaining checks, and nothing unverified becomes READY.
+deadline; a reader with nothing left to read may `run()` a handle itself (whichever thread
+claims it first hashes it, once). The reader alone publishes, so a fetch that fails, is
+cancelled or times out simply never collects its remaining checks, and nothing unverified
+becomes READY.
 
 Bounded: at most `max_pending` chunks wait for the thread (a reader blocks, within its
 deadline, beyond that). Threading: one daemon thread, started on first use and stopped by
@@ -28,15 +30,21 @@ from kvcr_core.peers.protocol import checksum
 class Checks:
     """The verdicts on one chunk of blocks, in the order they were submitted."""
 
-    __slots__ = ("_done", "_expected", "_ok", "_views")
+    __slots__ = ("_claim", "_done", "_expected", "_ok", "_views")
 
     def __init__(self, views: Sequence[memoryview], expected: Sequence[int]) -> None:
         self._views = views
         self._expected = expected
         self._ok: list[bool] = []
+        self._claim = threading.Lock()
         self._done = threading.Event()
 
     def run(self) -> None:
+        """Hashes the chunk, unless another thread has begun to: the verifier thread and the
+        reader (helping once it has nothing left to read) may both try; whoever claims it
+        first does it."""
+        if not self._claim.acquire(blocking=False):
+            return
         try:
             self._ok = [checksum(view) == want
                         for view, want in zip(self._views, self._expected, strict=True)]
