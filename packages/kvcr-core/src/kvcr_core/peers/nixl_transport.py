@@ -15,8 +15,8 @@ except the one-shot starter. Callers drive progress: a reader polls its transfer
 calls `progress()` while a peer may be connecting or reading. Every call into the agent is
 serialised by one lock (the agent runs in NIXL_THREAD_SYNC_NONE mode). On one host UCX
 copies with cma: one kernel copy inside `transfer()` (which releases the GIL), so a READ is
-done when `post_read` returns; over UCX's TCP transport or RDMA it moves while the reader
-polls, and readers keep several READs posted (kvcr_core.peers.client).
+done when `NixlRead.start` (or `post_read`) returns; over UCX's TCP transport or RDMA it moves
+while the reader polls, and readers keep several READs posted (kvcr_core.peers.client).
 
 Flavours: nixl ships per-CUDA wheels (nixl_cu12, nixl_cu13) behind the `nixl` meta package,
 which imports torch to choose on CPU-only hosts (seconds). A flavour already imported in this
