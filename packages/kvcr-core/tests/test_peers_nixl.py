@@ -4,10 +4,12 @@ contract tests run over NIXL too, in test_peers.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -179,6 +181,25 @@ def one_block_reads(engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(engine, "chunk_bytes", BLOCK)
 
 
+@contextlib.contextmanager
+def on_third_start(monkeypatch: pytest.MonkeyPatch,
+                   action: Callable[[float], object]) -> Iterator[None]:
+    """Runs `action(deadline)` as the third NIXL READ of a fetch starts (mid-fetch)."""
+    started = 0
+    start = NixlRead.start
+
+    def hooked(read: NixlRead, deadline: float) -> None:
+        nonlocal started
+        started += 1
+        if started == 3:
+            action(deadline)
+        start(read, deadline)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(NixlRead, "start", hooked)
+        yield
+
+
 def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     """Risk: the pipelined path publishes a block without checking it, or checks the wrong
     one: block 1's bytes are wrong, and only it is refused."""
@@ -208,18 +229,7 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
     assert store.load(keys[:20]) == [pattern_block(k, BLOCK) for k in keys[:20]]
 
     cancel = threading.Event()
-    posted = 0
-    start = NixlRead.start
-
-    def start_then_cancel(read: NixlRead, deadline: float) -> None:
-        nonlocal posted
-        posted += 1
-        if posted == 3:
-            cancel.set()  # the caller cancels while this fetch is mid-way
-        start(read, deadline)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(NixlRead, "start", start_then_cancel)
+    with on_third_start(monkeypatch, lambda deadline: cancel.set()):  # the caller cancels
         result = client.fetch(server.endpoint, keys[20:], deadline_s=10, cancel=cancel)
     assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
     assert store.contains(keys[20:]) == [True] * 3 + [False] * 17
@@ -277,18 +287,11 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
     warm.close()
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
-    posted = 0
-    start = NixlRead.start
 
-    def slow_third(read: NixlRead, deadline: float) -> None:
-        nonlocal posted
-        posted += 1
-        if posted == 3:
-            time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)  # the source stalls
-        start(read, deadline)
+    def stall(deadline: float) -> None:  # the source stalls past the deadline
+        time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(NixlRead, "start", slow_third)
+    with on_third_start(monkeypatch, stall):
         result = client.fetch(server.endpoint, keys, deadline_s=1.0)
     assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
     assert store.contains(keys) == [True] * 2 + [False] * 4
