@@ -235,9 +235,11 @@ def test_two_processes_transfer_1000_blocks_exactly(transport) -> None:
 
 
 @pytest.fixture
-def netns_pair() -> Iterator[tuple[str, str, str]]:
-    """Two network namespaces joined by a veth pair, made and removed here."""
-    with network_namespaces("pt", 7) as pair:
+def netns_pair(transport: Transport) -> Iterator[tuple[str, str, str]]:
+    """Two network namespaces joined by a veth pair, made and removed here: names and subnet
+    per transport, since parallel test workers may run both at once."""
+    tag, subnet = {Transport.TCP: ("pt", 7), Transport.NIXL: ("pn", 8)}[transport]
+    with network_namespaces(tag, subnet) as pair:
         if pair is None:
             pytest.skip("network namespaces need root and iproute2")
         yield pair
@@ -251,18 +253,18 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transpo
     ucx = transport is Transport.NIXL
     server = run_node("serve", "y" * 24, address, "1000", str(BLOCK), transport.value,
                       prefix=["ip", "netns", "exec", a],
-                      env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrptva"} if ucx else None)
+                      env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrpnva"} if ucx else None)
     try:
         assert server.stdout is not None
         line = server.stdout.readline()
         assert line, server.stderr.read() if server.stderr else ""
         endpoint = json.loads(line)["endpoint"]
-        assert endpoint.startswith("tcp://10.201.7.1:")
+        assert endpoint.startswith(f"tcp://{address}:")
         out = subprocess.run(["ip", "netns", "exec", b, sys.executable, NODE, "fetch", "y" * 24,
                               endpoint, "1000", str(BLOCK), transport.value],
                              capture_output=True, text=True, timeout=180, check=True,
                              env={**os.environ, **({"UCX_TLS": "tcp",
-                                                    "UCX_NET_DEVICES": "kvcrptvb"} if ucx
+                                                    "UCX_NET_DEVICES": "kvcrpnvb"} if ucx
                                                    else {})})
         report = json.loads(out.stdout)
         assert report["fetched"] == 1000 and report["ready"] == 1000 and report["corrupt"] == 0

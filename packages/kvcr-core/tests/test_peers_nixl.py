@@ -15,9 +15,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
+from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.peers import client as client_module
-from kvcr_core.peers.nixl_transport import NixlEngine, NixlRead, nixl_installed
+from kvcr_core.peers.nixl_transport import (
+    NixlEngine,
+    NixlRead,
+    NixlRequestRefused,
+    nixl_installed,
+)
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import FakePeerSource, pattern_block, random_keys
@@ -134,6 +140,45 @@ def test_pools_are_registered_once_and_released_with_their_last_user(engine) -> 
     local.close()
     assert users() == 0
     remote.close()
+
+
+def test_prepared_slot_lists_go_with_their_region(engine) -> None:
+    """Risk: a READ names a local slot through descriptors prepared for memory that was since
+    deregistered (stale), or a slot beyond the pool, and writes where it should not."""
+    source_runner, server, keys, _ = stocked_source(4, 27, nixl=True)
+    _, store, metrics = node()
+    pool = store.pool
+    listed = (pool.region.address, pool.stride_bytes, pool.slot_bytes, pool.capacity_slots)
+    for _ in range(2):  # the second client registers and prepares the same pool afresh
+        client = PeerClient(store, SECRET, metrics, nixl=True)
+        assert client.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
+        assert listed in engine._slot_lists
+        client.close()
+        assert listed not in engine._slot_lists
+        store.clear()
+    region = HostRegion.create(4 * BLOCK, RegionKind.ANONYMOUS)
+    engine.register(region.address, region.size_bytes)
+    try:
+        slots = engine.slot_list(region.address, BLOCK, BLOCK, 4)
+        assert engine.slot_list(region.address, BLOCK, BLOCK, 4) is slots  # made once
+        source = source_runner.namespace(NS)
+        first = source.index.slot_of(keys[0])
+        assert first is not None
+        remote = [source.pool.region.address + source.pool.offset(first)]
+        with pytest.raises(NixlRequestRefused):
+            engine.prepare_reads(engine.name, slots, [[4]], remote, BLOCK)  # beyond the list
+        with pytest.raises(NixlRequestRefused):
+            engine.prepare_reads(engine.name, slots, [[0]], [region.address + 64 * BLOCK],
+                                 BLOCK)  # remote memory nobody registered
+        reads = engine.prepare_reads(engine.name, slots, [[3]], remote, BLOCK)
+        reads.reads[0].start(time.monotonic() + 10)
+        reads.reads[0].wait(time.monotonic() + 10)
+        reads.release()
+        assert bytes(region.view[3 * BLOCK:4 * BLOCK]) == pattern_block(keys[0], BLOCK)
+    finally:
+        engine.deregister(region.address, region.size_bytes)
+        server.close()
+        source_runner.close()
 
 
 def test_nixl_loads_only_when_a_peer_asks_for_it() -> None:

@@ -9,8 +9,8 @@ that does not match is dropped and counted. Per-key results carry reasons (`Fetc
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
 each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
-in the shrinking sizes of `read_plan`, and each chunk is verified on the `Verifier` thread
-while the next is read, the reader helping once its READs are done); on timeout or
+in the sizes of `read_plan`, and each chunk but the last is verified on the `Verifier` thread
+while the next is read, the reader checking the last); on timeout or
 cancel nothing half-written becomes READY, and a connection whose stream could be out of
 step is dropped. `fetch_async` returns a handle (poll / result / cancel) and runs on a
 bounded pool of threads; beyond the bound it refuses at once (CAPACITY) instead of queueing.
@@ -44,7 +44,7 @@ from kvcr_core.peers.nixl_transport import (
 )
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
-from kvcr_core.peers.verifier import Checks, Verifier, check_here
+from kvcr_core.peers.verifier import Checks, Verifier
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, SlotId
 
@@ -294,11 +294,13 @@ class PeerClient:
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
         """READs the found blocks in the chunks of `read_plan`, keeping up to
         `_NIXL_BYTES_POSTED` in flight (over cma each READ completes as it is posted; over TCP
-        or RDMA later ones move while earlier ones are checked). Each completed chunk goes to
-        the verifier thread as soon as its checksums are known (late_checksums: they may
-        arrive while we read), which hashes it while the next is read; once every READ is
-        done this thread checks, newest first, the chunks the verifier has not begun (the
-        last is still in this core's cache). A fetch of one chunk is checked here."""
+        or RDMA later ones move while earlier ones are checked). Every READ is prepared before
+        the first moves (`NixlEngine.prepare_reads`: local slots by index in the pool's
+        prepared slot list), so little Python runs between copies. Each completed chunk but
+        the last goes to the verifier thread as soon as its checksums are known
+        (late_checksums: they may arrive while we read), which hashes it while the next is
+        read; once every READ is done and FetchDone is sent, this thread checks the last chunk
+        (still in this core's cache), then any the verifier has not begun, newest first."""
         found = sum(reply.found)
         if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
                 or len(reply.addresses) != found or len(reply.checksums) > found
@@ -327,9 +329,7 @@ class PeerClient:
         posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # chunk, READ
         unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
         pending: list[tuple[Sequence[tuple[int, SlotId, int]], Checks]] = []
-        reads: list[NixlRead] = []
-        views = [[pool.view(t[1]) for t in chunk] for chunk in chunks]
-        verify = self._verifier.submit if len(chunks) > 1 else check_here
+        slots = [[t[1] for t in chunk] for chunk in chunks]
         in_flight = 0
 
         def check_what_we_can(wait: bool) -> None:
@@ -341,8 +341,10 @@ class PeerClient:
                         continue
                     return
                 unchecked.popleft()
-                pending.append((chunk, verify(views[n], sums[first:first + len(chunk)],
-                                              job.deadline)))
+                checks = Checks(pool.view, slots[n], sums[first:first + len(chunk)])
+                pending.append((chunk, checks))
+                if n < len(chunks) - 1:  # the last is checked here, hot in this core's cache
+                    self._verifier.submit(checks)
 
         def settle_oldest() -> None:
             nonlocal in_flight
@@ -355,12 +357,14 @@ class PeerClient:
             request.release()
 
         try:
+            # every READ made before the first copy (little Python runs between copies)
+            batch = self.nixl.prepare_reads(
+                conn.nixl_peer, self.nixl.slot_list(base, pool.stride_bytes, pool.slot_bytes,
+                                                    pool.capacity_slots),
+                slots, [t[2] for t in todo],
+                pool.slot_bytes)
             try:
-                for chunk in chunks:  # every READ made before the first copy: little Python
-                    reads.append(self.nixl.prepare_read(  # runs between copies
-                        conn.nixl_peer, [base + pool.offset(t[1]) for t in chunk],
-                        [t[2] for t in chunk], pool.slot_bytes))
-                for n, request in enumerate(reads):
+                for n, request in enumerate(batch.reads):
                     if job.cancelled():
                         break
                     request.start(job.deadline)
@@ -372,8 +376,7 @@ class PeerClient:
                 while posted:
                     settle_oldest()
             finally:
-                for request in reads:
-                    request.release()
+                batch.release()
             self._timeout(conn, job.deadline)
             conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
             while len(sums) < found:  # all it owes, even if we stopped early: the stream
@@ -495,10 +498,12 @@ def read_plan(blocks: int, block_bytes: int, largest_bytes: int, last_bytes: int
     """How many blocks each NIXL READ of one fetch moves, in order: the last about
     `last_bytes`, each one before it twice the next, up to `largest_bytes`; a small remainder
     joins the READ after it (never the last). Why: where the copy runs in the reader (cma),
-    each chunk is checked while the next is copied, so what is left to check when copying
-    ends is mostly the last chunk: halving toward the end keeps it small, and few READs keep
-    NIXL's cost per request (~45 us here) small. Measured against equal 2 MiB READs: +0.02 to
-    +0.04 of raw NIXL at 256 KiB blocks, 16 MiB fetches (docs/peers.md)."""
+    each chunk is checked on another core while the next is copied, and the last is checked
+    by the reader once copying ends: a short last READ keeps that tail short, READs of a few
+    MiB keep each hash close behind its copy, and prepared READs cost a few us each. Measured
+    at 256 KiB blocks, 16 MiB fetches (docs/peers.md): 2 MiB READs ending in 1 MiB (4, 8 x 7,
+    4 blocks) +0.05 to +0.06 of raw NIXL over 9, 4, 2 and 1 MiB; equal 2 MiB READs, or ones
+    ending in 512 or 256 KiB, within 0.01 of it."""
     largest = max(1, largest_bytes // block_bytes)
     size = max(1, min(largest, last_bytes // block_bytes))
     plan: list[int] = []  # from the end
