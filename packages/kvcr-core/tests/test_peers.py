@@ -369,6 +369,14 @@ def test_source_checksums_follow_slot_rewrites() -> None:
     store.store([keys[capacity]], [bytes(BLOCK)])  # same key, same slot, other bytes
     assert store.index.slot_of(keys[capacity]) == slot
     assert sums.of(slot) == pp.checksum(bytes(BLOCK)) and sums.computed == 3
+    others = [store.index.slot_of(k) for k in keys[1:capacity]]
+    assert None not in others
+    assert sums.known([slot, *others]) == [pp.checksum(bytes(BLOCK))]  # up to the first unknown
+    assert sums.known([others[0], slot]) == []
+    with store.lock:
+        store.index.discard([keys[capacity]])
+    store.store([keys[capacity]], [pattern_block(keys[capacity], BLOCK)])  # rewritten again
+    assert sums.known([slot]) == [] and sums.computed == 3  # known() never hashes
 
 
 def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> None:

@@ -127,6 +127,12 @@ class BlockIndex:
         return self._generation[slot]
 
     @property
+    def generations(self) -> array.array[int]:
+        """Every slot's `generation`, live, for callers that read many at once (read it,
+        never write it)."""
+        return self._generation
+
+    @property
     def ready_blocks(self) -> int:
         return len(self._ready)
 

@@ -260,17 +260,12 @@ class PeerServer:
         base = region[0]
         lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
         try:
-            offset, sums = store.pool.offset, self._checksums(store)
-            slots = [s for s in lease.slots if s is not None]
-            known: list[int] = []
-            for slot in slots:
-                value = sums.cached(slot) if late else sums.of(slot)
-                if value is None:
-                    break
-                known.append(value)
+            stride, sums = store.pool.stride_bytes, self._checksums(store)
+            slots = [s for s in lease.slots if s is not None]  # leased: inside the pool
+            known = sums.known(slots) if late else [sums.of(s) for s in slots]
             conn.sendall(pp.encode(pp.NixlBlocks(
                 fetch.seq, [s is not None for s in lease.slots],
-                [base + offset(s) for s in slots], known)))
+                [base + s * stride for s in slots], known)))
             per_group = max(1, _SEND_GROUP_BYTES // store.block_bytes)
             for start in range(len(known), len(slots), per_group):
                 group = [sums.of(s) for s in slots[start:start + per_group]]
