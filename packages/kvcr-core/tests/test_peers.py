@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -86,6 +86,48 @@ def test_fetch_is_byte_exact_and_reports_per_key(source, transport) -> None:
     assert metrics.fetched["ok"] == 8 and metrics.fetched["missing"] == 2
     again = peer.fetch(server.endpoint, keys[10:20], deadline_s=10)  # a pooled connection
     assert again.statuses == (FetchStatus.OK,) * 10 and again.transport is transport
+    assert server.metrics.connections[transport.value] == 1
+    peer.close()
+
+
+def test_keys_stored_or_out_of_room_while_asked_are_skipped_in_step(
+        source, transport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: the Fetch goes out before slots are reserved (so the peer looks keys up while we
+    reserve); a key stored here in between, or one the pool has no room for, is overwritten,
+    published twice, or leaves the connection out of step with the peer's stream."""
+    server, keys = source
+    _, store, metrics = node(blocks=4)
+    room = store.index.capacity_slots  # 12
+    mine = bytes([7]) * BLOCK
+    reserve = store.reserve
+
+    def stored_meanwhile(asked: Sequence[bytes], *args: object) -> object:
+        if len(asked) == room:  # the fetch's (store() below reserves too)
+            store.store([asked[1]], [mine])  # another fetch or the engine got there first
+        return reserve(asked, *args)  # type: ignore[arg-type]
+
+    peer = client(store, metrics, transport)
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "reserve", stored_meanwhile)
+        result = peer.fetch(server.endpoint, keys[:room], deadline_s=10)
+    assert result.transport is transport
+    assert result.statuses[1] is FetchStatus.PRESENT and store.load([keys[1]]) == [mine]
+    fetched = [0, *range(2, room)]
+    assert [result.statuses[i] for i in fetched] == [FetchStatus.OK] * len(fetched)
+    assert store.load([keys[i] for i in fetched]) == [pattern_block(keys[i], BLOCK)
+                                                       for i in fetched]
+    assert result.received_bytes == len(fetched) * BLOCK and store.index.filling_blocks == 0
+
+    store.clear()
+    held = random_keys(room, seed=78)
+    store.store(held, [mine] * room)
+    lease = store.acquire(held)  # every slot in use: no room for what the peer holds
+    full = peer.fetch(server.endpoint, keys[20:23], deadline_s=10)
+    assert full.statuses == (FetchStatus.CAPACITY,) * 3 and full.received_bytes == 0
+    store.release(lease.op)
+    again = peer.fetch(server.endpoint, keys[20:24], deadline_s=10)  # the same connection
+    assert again.statuses == (FetchStatus.OK,) * 4
+    assert store.load(keys[20:24]) == [pattern_block(k, BLOCK) for k in keys[20:24]]
     assert server.metrics.connections[transport.value] == 1
     peer.close()
 

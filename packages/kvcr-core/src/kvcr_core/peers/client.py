@@ -1,7 +1,8 @@
 """`PeerClient`: fetches blocks from another node's Runner into reserved local slots.
 
-Destination-initiated: the local namespace store reserves slots for the keys it lacks, the
-source says which it holds, and their bytes land straight in those slots: over TCP
+Destination-initiated: the destination asks for the keys it lacks and reserves slots for them
+while the source looks them up (a key stored here meanwhile, or one without room, is not
+read), the source says which it holds, and their bytes land straight in those slots: over TCP
 (`recv_into`, no copy), or, when both sides run NIXL and TLS is off, by a NIXL READ from the
 source's leased slots (the control messages stay on the authenticated TCP connection). Every
 block's xxh3-64 is verified against the source's checksum before it is published; a block
@@ -46,13 +47,16 @@ from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.verifier import Checks, Verifier
 from kvcr_core.runner import NamespaceStore
-from kvcr_core.types import BlockKey, SlotId
+from kvcr_core.types import BlockKey, OpId, SlotId
 
 _MAX_IDLE_PER_PEER = 4
 _FEATURES = (pp.LATE_CHECKSUMS,)  # offered with NIXL (tests turn it off to act older)
 _NIXL_BYTES_POSTED = 16 << 20  # READs in flight at once over an asynchronous transport
 _NIXL_LAST_READ_BYTES = 1 << 20  # see read_plan
 _MAX_KNOWN_PEERS = 256
+# a block a NIXL fetch reads: key index, local slot, source address, place among the found
+# blocks (that of its checksum)
+_Block = tuple[int, SlotId, int, int]
 _TCP_ANSWER_BACKOFF_S = 30.0  # a peer that answered an offer of NIXL with TCP: ask again later
 _NIXL_FAILURE_BACKOFF_S = 300.0  # a peer whose NIXL metadata did not load here
 
@@ -123,13 +127,14 @@ class _Fetch:
     """One fetch in flight: what was asked, where it lands, what became of each key."""
 
     keys: Sequence[BlockKey]
-    slots: Sequence[SlotId | None]
-    wanted: list[int]
+    slots: list[SlotId | None]  # where each lands, once reserved (after the Fetch is sent)
+    wanted: list[int]  # the keys asked of the peer (those not READY here when asked)
     statuses: list[FetchStatus]
     keep: list[BlockKey]
     deadline: float
     cancel: threading.Event | None
     received: int = 0
+    reservation: OpId | None = None
 
     def fail(self, status: FetchStatus) -> None:
         for i in self.wanted:
@@ -200,12 +205,9 @@ class PeerClient:
     def fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float,
               cancel: threading.Event | None = None) -> FetchResult:
         self._check_endpoint(endpoint)
-        res = self.store.reserve(keys)
-        statuses: list[FetchStatus] = [
-            FetchStatus.PRESENT if slot is None else FetchStatus.TIMEOUT for slot in res.slots]
-        for i in range(len(keys) - res.refused, len(keys)):
-            statuses[i] = FetchStatus.CAPACITY
-        job = _Fetch(keys, res.slots, [i for i, s in enumerate(res.slots) if s is not None],
+        present = self.store.contains(keys)
+        statuses = [FetchStatus.PRESENT if p else FetchStatus.TIMEOUT for p in present]
+        job = _Fetch(keys, [None] * len(keys), [i for i, p in enumerate(present) if not p],
                      statuses, [], time.monotonic() + deadline_s, cancel)
         detail = ""
         transport = None
@@ -224,7 +226,8 @@ class PeerClient:
                 job.fail(FetchStatus.UNREACHABLE)
                 detail = f"{endpoint}: {exc}"
             finally:
-                self.store.settle(res.op, job.keep)
+                if job.reservation is not None:
+                    self.store.settle(job.reservation, job.keep)
         self.metrics.on_fetch(Counter(statuses), job.received)
         return FetchResult(tuple(statuses), job.received, detail, transport)
 
@@ -246,6 +249,7 @@ class PeerClient:
             conn.seq += 1
             self._timeout(conn, job.deadline)
             conn.sock.sendall(pp.encode(pp.Fetch(conn.seq, [job.keys[i] for i in job.wanted])))
+            self._reserve(job)  # while the peer looks the keys up
             self._timeout(conn, job.deadline)
             reply = pp.decode_to_client(recv_frame(conn.sock)[0])
             if isinstance(reply, pp.Refused):
@@ -264,22 +268,40 @@ class PeerClient:
             else:
                 self._drop(conn)
 
+    def _reserve(self, job: _Fetch) -> None:
+        """Reserves slots for the keys asked of the peer. One stored (or being fetched)
+        meanwhile is PRESENT, one beyond the pool's room CAPACITY: neither is read."""
+        res = self.store.reserve([job.keys[i] for i in job.wanted])
+        job.reservation = res.op if res.granted else None
+        refused_from = len(job.wanted) - res.refused
+        for n, (i, slot) in enumerate(zip(job.wanted, res.slots, strict=True)):
+            job.slots[i] = slot
+            if slot is None:
+                job.statuses[i] = (FetchStatus.CAPACITY if n >= refused_from
+                                   else FetchStatus.PRESENT)
+
     def _receive_tcp(self, conn: _Connection, reply: pp.Blocks, job: _Fetch) -> bool:
         """Receives the found blocks; False when cancelled midway (the stream is out of step)."""
         if reply.seq != conn.seq or len(reply.found) != len(job.wanted):
             raise FrameError("a Blocks reply that does not match the Fetch")
         view, checksum, unpack = self.store.pool.view, pp.checksum, pp.CHECKSUM.unpack
         trailer = bytearray(pp.CHECKSUM.size)
+        skipped: memoryview | None = None
         for i, found in zip(job.wanted, reply.found, strict=True):
+            slot = job.slots[i]
             if not found:
-                job.statuses[i] = FetchStatus.MISSING
+                if slot is not None:
+                    job.statuses[i] = FetchStatus.MISSING
                 continue
             if job.cancelled():
                 return False
-            slot = job.slots[i]
-            assert slot is not None
-            target = view(slot)
             self._timeout(conn, job.deadline)
+            if slot is None:  # stored here meanwhile, or no room: its bytes go nowhere
+                skipped = skipped or memoryview(bytearray(self.store.pool.slot_bytes))
+                recv_exact_into(conn.sock, skipped)
+                recv_exact_into(conn.sock, memoryview(trailer))
+                continue
+            target = view(slot)
             recv_exact_into(conn.sock, target)
             got = checksum(target)  # while the kernel receives what follows
             recv_exact_into(conn.sock, memoryview(trailer))
@@ -308,40 +330,40 @@ class PeerClient:
             raise FrameError("a NixlBlocks reply that does not match the Fetch")
         assert self.nixl is not None and self._nixl_region is not None
         pool, base = self.store.pool, self._nixl_region
-        todo: list[tuple[int, SlotId, int]] = []  # key index, local slot, remote address
-        addresses = iter(reply.addresses)
+        todo: list[_Block] = []
+        nth = 0
         for i, present in zip(job.wanted, reply.found, strict=True):
-            if not present:
-                job.statuses[i] = FetchStatus.MISSING
-                continue
             slot = job.slots[i]
-            assert slot is not None
-            todo.append((i, slot, next(addresses)))
+            if not present:
+                if slot is not None:
+                    job.statuses[i] = FetchStatus.MISSING
+                continue
+            if slot is not None:  # None: stored here meanwhile, or no room (not read)
+                todo.append((i, slot, reply.addresses[nth], nth))
+            nth += 1
         sums = list(reply.checksums)
-        chunks: list[Sequence[tuple[int, SlotId, int]]] = []
-        starts: list[int] = []  # each chunk's first index in todo (and in sums)
+        chunks: list[Sequence[_Block]] = []
         first = 0
         for count in read_plan(len(todo), pool.slot_bytes, self.nixl.chunk_bytes,
                                _NIXL_LAST_READ_BYTES):
-            starts.append(first)
             chunks.append(todo[first:first + count])
             first += count
         posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # chunk, READ
         unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
-        pending: list[tuple[Sequence[tuple[int, SlotId, int]], Checks]] = []
+        pending: list[tuple[Sequence[_Block], Checks]] = []
         slots = [[t[1] for t in chunk] for chunk in chunks]
         in_flight = 0
 
         def check_what_we_can(wait: bool) -> None:
             while unchecked:
                 n = unchecked[0]
-                chunk, first = chunks[n], starts[n]
-                if len(sums) < first + len(chunk):
+                chunk = chunks[n]
+                if len(sums) <= chunk[-1][3]:
                     if self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait):
                         continue
                     return
                 unchecked.popleft()
-                checks = Checks(pool.view, slots[n], sums[first:first + len(chunk)])
+                checks = Checks(pool.view, slots[n], [sums[t[3]] for t in chunk])
                 pending.append((chunk, checks))
                 if n < len(chunks) - 1:  # the last is checked here, hot in this core's cache
                     self._verifier.submit(checks)
@@ -519,15 +541,14 @@ def read_plan(blocks: int, block_bytes: int, largest_bytes: int, last_bytes: int
     return plan[::-1]
 
 
-def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[tuple[int, SlotId, int]],
-                                                        Checks]],
+def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[_Block], Checks]],
                    deadline: float | None) -> None:
     """Marks each checked block OK (kept) or CHECKSUM; waits for verdicts until `deadline`,
     or (None) takes only those already known."""
     for chunk, checks in pending:
         if deadline is None and not checks.known():
             continue
-        for (i, _, _), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
+        for (i, *_), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
             if ok:
                 job.statuses[i] = FetchStatus.OK
                 job.keep.append(job.keys[i])

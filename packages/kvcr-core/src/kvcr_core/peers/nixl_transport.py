@@ -322,6 +322,8 @@ class NixlEngine:
         if sum(len(chunk) for chunk in local) != len(remote):
             raise ValueError("as many remote addresses as local slots")
         reads = NixlReads(self)
+        if not remote:
+            return reads  # nothing to read (NIXL refuses an empty list)
         with self._lock:
             agent = self._require()
             try:
