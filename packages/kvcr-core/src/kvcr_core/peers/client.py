@@ -273,12 +273,15 @@ class PeerClient:
         meanwhile is PRESENT, one beyond the pool's room CAPACITY: neither is read."""
         res = self.store.reserve([job.keys[i] for i in job.wanted])
         job.reservation = res.op if res.granted else None
-        refused_from = len(job.wanted) - res.refused
-        for n, (i, slot) in enumerate(zip(job.wanted, res.slots, strict=True)):
-            job.slots[i] = slot
-            if slot is None:
-                job.statuses[i] = (FetchStatus.CAPACITY if n >= refused_from
-                                   else FetchStatus.PRESENT)
+        slots = job.slots
+        for i, slot in zip(job.wanted, res.slots, strict=True):
+            slots[i] = slot
+        if res.granted < len(job.wanted):
+            refused_from = len(job.wanted) - res.refused
+            for n, i in enumerate(job.wanted):
+                if slots[i] is None:
+                    job.statuses[i] = (FetchStatus.CAPACITY if n >= refused_from
+                                       else FetchStatus.PRESENT)
 
     def _receive_tcp(self, conn: _Connection, reply: pp.Blocks, job: _Fetch) -> bool:
         """Receives the found blocks; False when cancelled midway (the stream is out of step)."""
@@ -545,15 +548,18 @@ def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[_Block], Checks
                    deadline: float | None) -> None:
     """Marks each checked block OK (kept) or CHECKSUM; waits for verdicts until `deadline`,
     or (None) takes only those already known."""
+    statuses, keys, keep = job.statuses, job.keys, job.keep
+    ok, bad = FetchStatus.OK, FetchStatus.CHECKSUM
     for chunk, checks in pending:
         if deadline is None and not checks.known():
             continue
-        for (i, *_), ok in zip(chunk, checks.wait(deadline or 0.0), strict=True):
-            if ok:
-                job.statuses[i] = FetchStatus.OK
-                job.keep.append(job.keys[i])
+        for block, good in zip(chunk, checks.wait(deadline or 0.0), strict=True):
+            i = block[0]
+            if good:
+                statuses[i] = ok
+                keep.append(keys[i])
             else:
-                job.statuses[i] = FetchStatus.CHECKSUM
+                statuses[i] = bad
 
 
 def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,
