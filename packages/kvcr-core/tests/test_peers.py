@@ -350,6 +350,27 @@ def test_inventory_events_follow_stores_and_evictions() -> None:
     server.close()
 
 
+def test_inventory_hashes_are_the_documented_projection_for_any_keys() -> None:
+    """Risk: the batch projection at sealing (done in C over the keys end to end) credits a
+    router with the wrong block: a short key next to a long one (together a multiple of 16
+    bytes) must still give each key its own first 8 bytes."""
+    from kvcr_core.inventory import InventoryLog
+    from kvcr_core.keys import router_hash_kvcr_v1
+
+    log = InventoryLog(max_events=6)
+    sized = random_keys(5, seed=12)
+    odd = [b"\x01" * 8, bytes(range(24))]  # 32 bytes together
+    log.stored(NS, sized[:3])
+    log.removed(NS, sized[3:5])
+    log.stored(NS, odd)  # seals: 7 events
+    log.stored(NS, sized)  # sized keys only again
+    _, batches = log.read(0)
+    assert [(b.stored.tolist(), b.removed.tolist()) for b in batches] == [
+        ([router_hash_kvcr_v1(k) for k in [*sized[:3], *odd]],
+         [router_hash_kvcr_v1(k) for k in sized[3:5]]),
+        ([router_hash_kvcr_v1(k) for k in sized], [])]
+
+
 def make_tls(directory: Path) -> PeerTLS:
     """A throwaway CA and a node certificate for 127.0.0.1 (openssl CLI)."""
     def run(*args: str) -> None:
