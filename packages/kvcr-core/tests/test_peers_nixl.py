@@ -146,7 +146,7 @@ def test_prepared_slot_lists_go_with_their_region(engine) -> None:
     """Risk: a READ names a local slot through descriptors prepared for memory that was since
     deregistered (stale), or a slot beyond the pool, and writes where it should not."""
     source_runner, server, keys, _ = stocked_source(4, 27, nixl=True)
-    _, store, metrics = node()
+    _, store, metrics = node(blocks=61)  # a size no other test registers (nor leaves behind)
     pool = store.pool
     listed = (pool.region.address, pool.stride_bytes, pool.slot_bytes, pool.capacity_slots)
     for _ in range(2):  # the second client registers and prepares the same pool afresh
