@@ -383,11 +383,10 @@ class PeerClient:
 
         try:
             # every READ made before the first copy (little Python runs between copies)
-            batch = self.nixl.prepare_reads(
-                conn.nixl_peer, self.nixl.slot_list(base, pool.stride_bytes, pool.slot_bytes,
-                                                    pool.capacity_slots),
-                slots, [t[2] for t in todo],
-                pool.slot_bytes)
+            ours = self.nixl.slot_list(base, pool.stride_bytes, pool.slot_bytes,
+                                       pool.capacity_slots)
+            batch = self.nixl.prepare_reads(conn.nixl_peer, ours, slots, [t[2] for t in todo],
+                                            pool.slot_bytes)
             try:
                 for n, request in enumerate(batch.reads):
                     if job.cancelled():
