@@ -417,6 +417,13 @@ class NixlRead:
         if handle is not None:
             self._engine._release(self._agent, handle, self.peer)
 
+    def forget(self, agent: Any) -> None:
+        """Releases a READ never started, the caller holding the engine's lock."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                agent.release_xfer_handle(handle)
+
 
 class NixlReads:
     """The READs of one fetch (`NixlEngine.prepare_reads`) and the prepared remote
@@ -436,11 +443,10 @@ class NixlReads:
                 self._engine._require().release_dlist_handle(remote)
 
     def release_locked(self, agent: Any) -> None:
-        """`release()` for one not yet started, under the engine's lock."""
+        """`release()` for READs not yet started, under the engine's lock (nothing moves, so
+        nothing needs cancelling)."""
         for read in self.reads:
-            handle, read._handle = read._handle, None
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
+            read.forget(agent)
         remote, self.remote = self.remote, None
         if remote is not None:
             with contextlib.suppress(Exception):
