@@ -165,15 +165,20 @@ def test_prepared_slot_lists_go_with_their_region(engine) -> None:
         first = source.index.slot_of(keys[0])
         assert first is not None
         remote = [source.pool.region.address + source.pool.offset(first)]
-        with pytest.raises(NixlRequestRefused):
-            engine.prepare_reads(engine.name, slots, [[4]], remote, BLOCK)  # beyond the list
-        with pytest.raises(NixlRequestRefused):
-            engine.prepare_reads(engine.name, slots, [[0]], [region.address + 64 * BLOCK],
-                                 BLOCK)  # remote memory nobody registered
-        reads = engine.prepare_reads(engine.name, slots, [[3]], remote, BLOCK)
-        reads.reads[0].start(time.monotonic() + 10)
-        reads.reads[0].wait(time.monotonic() + 10)
-        reads.release()
+        with pytest.raises(NixlRequestRefused):  # remote memory nobody registered
+            engine.prepare_reads(engine.name, slots, [region.address + 64 * BLOCK], BLOCK)
+        reads = engine.prepare_reads(engine.name, slots, remote, BLOCK)
+        try:
+            with pytest.raises(NixlRequestRefused):
+                reads.make([4], 0)  # a slot beyond the list
+            with pytest.raises(NixlRequestRefused):
+                reads.make([0, 1], 0)  # more addresses than were prepared
+            read = reads.make([3], 0)
+            read.start(time.monotonic() + 10)
+            read.wait(time.monotonic() + 10)
+            read.release()
+        finally:
+            reads.release()
         assert bytes(region.view[3 * BLOCK:4 * BLOCK]) == pattern_block(keys[0], BLOCK)
     finally:
         engine.deregister(region.address, region.size_bytes)
@@ -221,8 +226,8 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
 
 @pytest.fixture
 def one_block_reads(engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each NIXL READ moves one block, so a fetch of a few blocks takes the pipelined path:
-    several READs posted, each checked on the verifier thread while the next is read."""
+    """Each NIXL READ moves one block, so a fetch of a few blocks is many READs, which the
+    fetching thread and the lane thread take in turn."""
     monkeypatch.setattr(engine, "chunk_bytes", BLOCK)
 
 
@@ -246,14 +251,14 @@ def on_third_start(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
-    """Risk: the pipelined path publishes a block without checking it, or checks the wrong
-    one: block 1's bytes are wrong, and only it is refused."""
+    """Risk: a lane publishes a block without checking it, or checks the wrong one: block
+    1's bytes are wrong, and only it is refused."""
     source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", Transport.NIXL)
     _, store, metrics = node()
     keys = random_keys(3, seed=23)
     client = PeerClient(store, SECRET, metrics, nixl=True)
     result = client.fetch(source.endpoint, keys, deadline_s=10)
-    assert any(t.name == "kvcr-verify" for t in threading.enumerate())  # the threaded path
+    assert any(t.name == "kvcr-lane-1" for t in threading.enumerate())  # two lanes
     assert result.transport is Transport.NIXL
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
     assert store.contains(keys) == [True, False, True]
@@ -262,13 +267,25 @@ def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     source.close()
 
 
+def published_as_reported(store: NamespaceStore, keys: list[BlockKey],
+                          statuses: tuple[FetchStatus, ...]) -> None:
+    """Every key reported OK is READY with its own bytes; no other is there, none FILLING."""
+    ok = [k for k, status in zip(keys, statuses, strict=True) if status is FetchStatus.OK]
+    assert store.contains(keys) == [status is FetchStatus.OK for status in statuses]
+    assert store.load(ok) == [pattern_block(k, BLOCK) for k in ok]
+    assert store.index.filling_blocks == 0
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
 def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
-        one_block_reads, monkeypatch: pytest.MonkeyPatch) -> None:
+        one_block_reads, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: with READs in flight and checks pending, a cancel publishes unchecked blocks or
-    leaves slots FILLING; without one, bytes land in the wrong slots."""
+    leaves slots FILLING; without one, bytes land in the wrong slots. One lane stops right
+    after the READ it was in when the caller cancelled; with two, the other lane may finish
+    the READ it had begun as well."""
     source_runner, server, keys, _ = stocked_source(40, 24, nixl=True)
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, nixl=True, read_lanes=lanes)
     whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
     assert whole.fetched == 20 and whole.transport is Transport.NIXL
     assert store.load(keys[:20]) == [pattern_block(k, BLOCK) for k in keys[:20]]
@@ -276,10 +293,13 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
     cancel = threading.Event()
     with on_third_start(monkeypatch, lambda deadline: cancel.set()):  # the caller cancels
         result = client.fetch(server.endpoint, keys[20:], deadline_s=10, cancel=cancel)
-    assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
-    assert store.contains(keys[20:]) == [True] * 3 + [False] * 17
-    assert store.load(keys[20:23]) == [pattern_block(k, BLOCK) for k in keys[20:23]]
-    assert store.index.filling_blocks == 0
+    if lanes == 1:
+        assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
+    else:
+        assert set(result.statuses) == {FetchStatus.OK, FetchStatus.CANCELLED}
+        assert 3 <= result.fetched <= 4 and FetchStatus.OK not in result.statuses[5:]
+    published_as_reported(store, keys[20:], result.statuses)
+    assert client.fetch(server.endpoint, keys[20:], deadline_s=10).ready_prefix() == 20
     client.close()
     server.close()
     source_runner.close()
@@ -287,10 +307,10 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
 
 def test_reads_of_shrinking_size_check_every_block_where_it_lands(
         engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Risk: with READs of different sizes (read_plan: 7, 8, 8, 4, 2, 1 blocks here) a chunk
-    is checked against another chunk's checksums, a block is skipped, or the last chunk (checked
-    in the reader, not on the verifier thread) is published unchecked. Source blocks in the
-    first, a middle and the last chunk are overwritten after their checksums were taken."""
+    """Risk: with READs of different sizes (read_plan: 7, 8, 8, 4, 2, 1 blocks here), taken
+    by two lanes, a chunk is checked against another chunk's checksums, a block is skipped,
+    or a chunk is published unchecked. Source blocks in the first, a middle and the last
+    chunk are overwritten after their checksums were taken."""
     monkeypatch.setattr(engine, "chunk_bytes", 8 * BLOCK)
     monkeypatch.setattr(client_module, "_NIXL_LAST_READ_BYTES", BLOCK)
     assert client_module.read_plan(30, BLOCK, 8 * BLOCK, BLOCK) == [7, 8, 8, 4, 2, 1]
@@ -320,28 +340,34 @@ def test_reads_of_shrinking_size_check_every_block_where_it_lands(
     source_runner.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
-        one_block_reads, monkeypatch: pytest.MonkeyPatch) -> None:
+        one_block_reads, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: a deadline that passes between READs throws away blocks that were read and
-    checked before it (or publishes the rest). The source has served these blocks before,
-    so their checksums come with the addresses."""
+    checked before it, publishes the block whose READ it stopped, or the fetch outlives it.
+    The source has served these blocks before, so their checksums come with the addresses.
+    With two lanes the other one reads on while one stalls, until the deadline."""
     source_runner, server, keys, _ = stocked_source(6, 25, nixl=True)
     _, warm_store, warm_metrics = node()
     warm = PeerClient(warm_store, SECRET, warm_metrics, nixl=True)
     assert warm.fetch(server.endpoint, keys, deadline_s=10).fetched == 6  # checksums known
     warm.close()
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, nixl=True, read_lanes=lanes)
 
     def stall(deadline: float) -> None:  # the source stalls past the deadline
         time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
 
+    started = time.monotonic()
     with on_third_start(monkeypatch, stall):
         result = client.fetch(server.endpoint, keys, deadline_s=1.0)
-    assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
-    assert store.contains(keys) == [True] * 2 + [False] * 4
-    assert store.load(keys[:2]) == [pattern_block(k, BLOCK) for k in keys[:2]]
-    assert store.index.filling_blocks == 0
+    assert time.monotonic() - started < 5.0 and result.detail == "deadline passed"
+    if lanes == 1:
+        assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
+    else:
+        assert set(result.statuses) == {FetchStatus.OK, FetchStatus.TIMEOUT}
+        assert result.statuses[:2] == (FetchStatus.OK,) * 2
+    published_as_reported(store, keys, result.statuses)
     client.close()
     server.close()
     source_runner.close()

@@ -5,8 +5,9 @@ source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (
   of those blocks, gathered 1 MiB per `sendmsg` as the server does (the raw TCP baseline);
   `S` stores every block again (new slot generations, so the next kvcr fetch recomputes every
   source checksum: "cold") and answers with the blocks' addresses (the raw NIXL baseline
-  reads them). With NIXL its main thread drives NIXL progress every 0.1 ms, as the server
-  does while a peer reads (the progress thread is off; UCX over TCP needs the source's).
+  reads them). With NIXL its main thread drives NIXL progress every 0.1 ms for the raw reads
+  (the progress thread is off; UCX over TCP needs the source's), until `P 0` says they copy
+  within the post (cma), as the server stops when a peer's FetchDone says so.
 destination: times, alternating within each repetition, the raw baseline into a plain
   page-aligned region, the raw transfer followed by xxh3 of each block (the cost of verifying
   in line, for reference), a cold kvcr fetch and a warm one into its pool's reserved slots
@@ -76,6 +77,8 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
     server = PeerServer(runner, PeerSecret(SECRET), PeerMetrics(CollectorRegistry()), host=host,
                         nixl=nixl)
     raw = socket.create_server((host, 0))
+    polling = threading.Event()  # drive NIXL progress for the raw reads (op P)
+    polling.set()
 
     def serve_raw(conn: socket.socket) -> None:
         with conn:
@@ -83,6 +86,9 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
             view = store.pool.view
             while len(request := conn.recv(_REQ.size, socket.MSG_WAITALL)) == _REQ.size:
                 op, first, count = _REQ.unpack(request)
+                if op == b"P":
+                    polling.set() if first else polling.clear()
+                    continue
                 if op == b"S":
                     _store_all(store, keys)
                     reply = json.dumps(_addresses(store, keys)).encode()
@@ -102,10 +108,12 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
     threading.Thread(target=accept_raw, daemon=True).start()
     print(json.dumps({"peer": server.endpoint, "raw": list(raw.getsockname()[:2]),
                       "nixl": metadata.hex()}), flush=True)
-    while True:  # as often as the server does while a peer reads (the raw reads need it too)
-        if engine is not None:
+    while True:  # as often as the server does while a peer reads, if the raw reads need it
+        if engine is not None and polling.is_set():
             engine.progress()
-        time.sleep(0.0001 if engine is not None else 1)
+            time.sleep(0.0001)
+        else:
+            time.sleep(0.01)
 
 
 def _median_ratio(raw: list[float], kvcr: list[float]) -> float:
@@ -142,6 +150,18 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
         engine.register(region.address, region.size_bytes)
         source_agent = engine.add_peer(bytes.fromhex(nixl_hex))
 
+        def needs_progress() -> bool:
+            """Whether a raw READ needs the source to drive progress: not where it copies
+            within the post (cma), as the kvcr server learns from FetchDone."""
+            request = engine.post_read(source_agent, [region.address], remote[:1], block_bytes,
+                                       time.monotonic() + 60)
+            try:
+                inline = request.state == "DONE"
+                request.wait(time.monotonic() + 60)
+            finally:
+                request.release()
+            return not inline
+
         def raw_run(first: int, count: int) -> None:
             engine.read(source_agent, [region.address + i * block_bytes
                                        for i in range(first, first + count)],
@@ -177,6 +197,8 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
 
     restore()
     timed(raw_run)  # warm-up: connections, page tables, NIXL wire-up
+    if engine is not None and not needs_progress():
+        raw.sendall(_REQ.pack(b"P", 0, 0))
     clear()
     timed(kvcr_run)
     t_raw, t_checked, t_cold, t_warm = [], [], [], []

@@ -9,17 +9,17 @@ block's xxh3-64 is verified against the source's checksum before it is published
 that does not match is dropped and counted. Per-key results carry reasons (`FetchStatus`).
 
 Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
-each NIXL poll is bounded by the time left; a NIXL read moves at most `chunk_bytes` per post,
-in the sizes of `read_plan`, and each chunk but the last is verified on the `Verifier` thread
-while the next is read, the reader checking the last); on timeout or
-cancel nothing half-written becomes READY, and a connection whose stream could be out of
-step is dropped. `fetch_async` returns a handle (poll / result / cancel) and runs on a
-bounded pool of threads; beyond the bound it refuses at once (CAPACITY) instead of queueing.
+each NIXL poll is bounded by the time left; a NIXL fetch moves in READs of at most
+`chunk_bytes`, in the sizes of `read_plan`, which the fetching thread and the client's lane
+threads take in turn, each hashing the chunk it read; no lane is left writing once the fetch
+returns); on timeout or cancel nothing half-written becomes READY, and a connection whose
+stream could be out of step is dropped. `fetch_async` returns a handle (poll / result /
+cancel) and runs on a bounded pool of threads; beyond the bound it refuses at once
+(CAPACITY) instead of queueing.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -31,28 +31,26 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvcr_core.framing import FrameError, readable, recv_exact_into, recv_frame
+from kvcr_core.framing import FrameError, recv_exact_into, recv_frame
 from kvcr_core.hints import Endpoint
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
+from kvcr_core.peers.lanes import LaneJob, ReadLanes
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
 from kvcr_core.peers.nixl_transport import (
     NixlEngine,
     NixlError,
-    NixlRead,
     NixlRequestRefused,
     nixl_installed,
 )
 from kvcr_core.peers.protocol import Transport
 from kvcr_core.peers.tls import PeerTLS
-from kvcr_core.peers.verifier import Checks, Verifier
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, OpId, SlotId
 
 _MAX_IDLE_PER_PEER = 4
 _FEATURES = (pp.LATE_CHECKSUMS,)  # offered with NIXL (tests turn it off to act older)
-_NIXL_BYTES_POSTED = 16 << 20  # READs in flight at once over an asynchronous transport
-_NIXL_LAST_READ_BYTES = 1 << 20  # see read_plan
+_NIXL_LAST_READ_BYTES = 512 << 10  # see read_plan
 _MAX_KNOWN_PEERS = 256
 # a block a NIXL fetch reads: key index, local slot, source address, place among the found
 # blocks (that of its checksum)
@@ -150,10 +148,13 @@ class _Fetch:
 
 class PeerClient:
     """Fetches into one local namespace store from peers that share its secret.
-    `nixl=True` (opt-in) moves connections to NIXL when both sides have it."""
+    `nixl=True` (opt-in) moves connections to NIXL when both sides have it; `read_lanes`
+    threads (by default one per UCX worker of the NIXL engine, at most that) READ and check
+    each NIXL fetch together."""
 
     def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
-                 max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = False) -> None:
+                 max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = False,
+                 read_lanes: int | None = None) -> None:
         self.store = store
         self.secret = secret
         self.metrics = metrics
@@ -163,7 +164,13 @@ class PeerClient:
             self.nixl.start()
         self._nixl_region: int | None = None  # our pool's address, once registered
         self._nixl_failed = False
-        self._verifier = Verifier()  # a thread only once a NIXL fetch needs one
+        lanes = self.nixl.lanes if self.nixl is not None else 1
+        if read_lanes is not None:
+            if read_lanes < 1:
+                raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
+            lanes = min(lanes, read_lanes)
+        # threads that READ a NIXL fetch's chunks with the fetching one (started on first use)
+        self._lanes = ReadLanes(lanes - 1)
         self._tcp_until: dict[str, float] = {}  # endpoint -> when to offer it NIXL again
         self._valid: set[str] = set()  # endpoints already parsed
         self._idle: dict[str, list[_Connection]] = {}
@@ -174,7 +181,7 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._verifier.close()
+        self._lanes.close()
         with self._lock:
             idle, self._idle = self._idle, {}
             region, self._nixl_region = self._nixl_region, None
@@ -317,22 +324,21 @@ class PeerClient:
         return True
 
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
-        """READs the found blocks in the chunks of `read_plan`, keeping up to
-        `_NIXL_BYTES_POSTED` in flight (over cma each READ completes as it is posted; over TCP
-        or RDMA later ones move while earlier ones are checked). Every READ is prepared before
-        the first moves (`NixlEngine.prepare_reads`: local slots by index in the pool's
-        prepared slot list), so little Python runs between copies. Each completed chunk but
-        the last goes to the verifier thread as soon as its checksums are known
-        (late_checksums: they may arrive while we read), which hashes it while the next is
-        read; once every READ is done and FetchDone is sent, this thread checks the last chunk
-        (still in this core's cache), then any the verifier has not begun, newest first."""
+        """READs the found blocks in the chunks of `read_plan`, on this thread and the client's
+        lane threads at once (kvcr_core.peers.lanes: each thread READs a chunk, then hashes it
+        while it is in its core's cache, then takes the next). Every READ is made from
+        prepared lists (`NixlEngine.prepare_reads`: local slots by index in the pool's
+        prepared slot list), so little Python runs between copies. Once no chunk is being read
+        any more, FetchDone releases the source's leases, the checksums still owed arrive
+        (late_checksums: the source may send them after the addresses), and each block is
+        kept only if its digest matches."""
         found = sum(reply.found)
         if (reply.seq != conn.seq or len(reply.found) != len(job.wanted)
                 or len(reply.addresses) != found or len(reply.checksums) > found
                 or (len(reply.checksums) < found and not conn.late_checksums)):
             raise FrameError("a NixlBlocks reply that does not match the Fetch")
         assert self.nixl is not None and self._nixl_region is not None
-        pool, base = self.store.pool, self._nixl_region
+        pool, deadline = self.store.pool, job.deadline
         todo: list[_Block] = []
         nth = 0
         for i, present in zip(job.wanted, reply.found, strict=True):
@@ -344,82 +350,63 @@ class PeerClient:
             if slot is not None:  # None: stored here meanwhile, or no room (not read)
                 todo.append((i, slot, reply.addresses[nth], nth))
             nth += 1
-        sums = list(reply.checksums)
         chunks: list[Sequence[_Block]] = []
-        first = 0
+        firsts: list[int] = []  # each chunk's first place in todo (and in the remote list)
         for count in read_plan(len(todo), pool.slot_bytes, self.nixl.chunk_bytes,
                                _NIXL_LAST_READ_BYTES):
-            chunks.append(todo[first:first + count])
-            first += count
-        posted: collections.deque[tuple[int, NixlRead]] = collections.deque()  # chunk, READ
-        unchecked: collections.deque[int] = collections.deque()  # read, checksums not yet here
-        pending: list[tuple[Sequence[_Block], Checks]] = []
+            firsts.append(sum(len(chunk) for chunk in chunks))
+            chunks.append(todo[firsts[-1]:firsts[-1] + count])
         slots = [[t[1] for t in chunk] for chunk in chunks]
-        in_flight = 0
+        sums = list(reply.checksums)
+        view, checksum = pool.view, pp.checksum
+        ours = self.nixl.slot_list(self._nixl_region, pool.stride_bytes, pool.slot_bytes,
+                                   pool.capacity_slots)
+        reads = self.nixl.prepare_reads(conn.nixl_peer, ours, [t[2] for t in todo],
+                                        pool.slot_bytes)
 
-        def check_what_we_can(wait: bool) -> None:
-            while unchecked:
-                n = unchecked[0]
-                chunk = chunks[n]
-                if len(sums) <= chunk[-1][3]:
-                    if self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait):
-                        continue
-                    return
-                unchecked.popleft()
-                checks = Checks(pool.view, slots[n], [sums[t[3]] for t in chunk])
-                pending.append((chunk, checks))
-                if n < len(chunks) - 1:  # the last is checked here, hot in this core's cache
-                    self._verifier.submit(checks)
+        waited: list[int] = []  # chunks whose READ was not done when posted
 
-        def settle_oldest() -> None:
-            nonlocal in_flight
-            n, request = posted.popleft()
-            request.wait(job.deadline)
-            in_flight -= len(chunks[n]) * pool.slot_bytes
-            job.received += len(chunks[n]) * pool.slot_bytes
-            unchecked.append(n)
-            check_what_we_can(wait=False)
-            request.release()
-
-        try:
-            # every READ made before the first copy (little Python runs between copies)
-            ours = self.nixl.slot_list(base, pool.stride_bytes, pool.slot_bytes,
-                                       pool.capacity_slots)
-            batch = self.nixl.prepare_reads(conn.nixl_peer, ours, slots, [t[2] for t in todo],
-                                            pool.slot_bytes)
+        def read_and_hash(n: int) -> list[int] | None:
+            if job.cancelled():
+                lanes.stop()
+                return None
+            request = reads.make(slots[n], firsts[n])
             try:
-                for n, request in enumerate(batch.reads):
-                    if job.cancelled():
-                        break
-                    request.start(job.deadline)
-                    posted.append((n, request))
-                    in_flight += len(chunks[n]) * pool.slot_bytes
-                    # over cma the read is done already: check it while it is in cache
-                    while posted and (in_flight >= _NIXL_BYTES_POSTED or posted[0][1].poll()):
-                        settle_oldest()
-                while posted:
-                    settle_oldest()
+                request.start(deadline)
+                if request.state != "DONE":  # not copied within the post (not cma)
+                    waited.append(n)
+                    request.wait(deadline)
             finally:
-                batch.release()
-            self._timeout(conn, job.deadline)
-            conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq)))  # the source's leases can go
+                request.release()
+            return [checksum(view(slot)) for slot in slots[n]]
+
+        lanes = LaneJob(len(chunks), read_and_hash)
+        try:
+            try:
+                self._lanes.run(lanes)
+            finally:
+                reads.release()
+                job.received += pool.slot_bytes * sum(
+                    len(chunk) for chunk, got in zip(chunks, lanes.digests, strict=True) if got)
+            self._timeout(conn, deadline)
+            # the source's leases can go; and, if every READ copied as it was posted (cma),
+            # the source need not drive NIXL progress for us
+            inline = not waited and any(got is not None for got in lanes.digests)
+            conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq, inline)))
             while len(sums) < found:  # all it owes, even if we stopped early: the stream
-                self._more_checksums(conn, reply.seq, sums, found, job.deadline, wait=True)
-            check_what_we_can(wait=False)  # every checksum is here now
-            for _, checks in reversed(pending):  # help: the newest are likeliest unclaimed
-                checks.run()
-        except BaseException:
-            _take_verdicts(job, pending, None)  # what was read and checked already is kept
+                self._more_checksums(conn, reply.seq, sums, found, deadline)
+        except (FrameError, msgspec.MsgspecError, NixlRequestRefused):
+            raise  # a source that breaks the protocol gets nothing published
+        except BaseException:  # deadline, cancel, a source gone: what was checked is kept
+            _take_verdicts(job, chunks, lanes.digests, sums)
             raise
-        _take_verdicts(job, pending, job.deadline)
+        _take_verdicts(job, chunks, lanes.digests, sums)
         return True
 
     def _more_checksums(self, conn: _Connection, seq: int, sums: list[int], found: int,
-                        deadline: float, wait: bool) -> bool:
-        """Appends the next NixlChecksums message's checksums to `sums`; False if `wait` is
-        off and none has arrived. Raises FrameError for one out of order or too many."""
-        if not wait and not readable(conn.sock, 0):
-            return False
+                        deadline: float) -> None:
+        """Appends the next NixlChecksums message's checksums to `sums`. Raises FrameError for
+        one out of order or too many."""
         self._timeout(conn, deadline)
         more = pp.decode_to_client(recv_frame(conn.sock)[0])
         if (not isinstance(more, pp.NixlChecksums) or more.seq != seq
@@ -427,7 +414,6 @@ class PeerClient:
                 or not more.checksums):
             raise FrameError("expected the next NixlChecksums of this fetch")
         sums.extend(more.checksums)
-        return True
 
     @staticmethod
     def _timeout(conn: _Connection, deadline: float) -> None:
@@ -543,18 +529,20 @@ def read_plan(blocks: int, block_bytes: int, largest_bytes: int, last_bytes: int
     return plan[::-1]
 
 
-def _take_verdicts(job: _Fetch, pending: Sequence[tuple[Sequence[_Block], Checks]],
-                   deadline: float | None) -> None:
-    """Marks each checked block OK (kept) or CHECKSUM; waits for verdicts until `deadline`,
-    or (None) takes only those already known."""
+def _take_verdicts(job: _Fetch, chunks: Sequence[Sequence[_Block]],
+                   digests: Sequence[list[int] | None], sums: Sequence[int]) -> None:
+    """Marks each block of a chunk that was read OK (kept) or CHECKSUM by its digest against
+    the source's checksum; a block whose checksum never came keeps its status."""
     statuses, keys, keep = job.statuses, job.keys, job.keep
-    ok, bad = FetchStatus.OK, FetchStatus.CHECKSUM
-    for chunk, checks in pending:
-        if deadline is None and not checks.known():
+    ok, bad, known = FetchStatus.OK, FetchStatus.CHECKSUM, len(sums)
+    for chunk, got in zip(chunks, digests, strict=True):
+        if got is None:
             continue
-        for block, good in zip(chunk, checks.wait(deadline or 0.0), strict=True):
-            i = block[0]
-            if good:
+        for block, digest in zip(chunk, got, strict=True):
+            i, nth = block[0], block[3]
+            if nth >= known:
+                continue
+            if digest == sums[nth]:
                 statuses[i] = ok
                 keep.append(keys[i])
             else:

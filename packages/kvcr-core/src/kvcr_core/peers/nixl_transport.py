@@ -12,11 +12,15 @@ locally reserved slots.
 Threading: NIXL's own progress thread is OFF (research/transport.md F1: on 2 cores it burns a
 core and halves throughput), and so is its listener thread; nothing here starts a thread
 except the one-shot starter. Callers drive progress: a reader polls its transfer; a source
-calls `progress()` while a peer may be connecting or reading. Every call into the agent is
-serialised by one lock (the agent runs in NIXL_THREAD_SYNC_NONE mode). On one host UCX
-copies with cma: one kernel copy inside `transfer()` (which releases the GIL), so a READ is
-done when `NixlRead.start` (or `post_read`) returns; over UCX's TCP transport or RDMA it moves
-while the reader polls, and readers keep several READs posted (kvcr_core.peers.client).
+calls `progress()` while a peer may be connecting or reading. The agent runs in
+NIXL_THREAD_SYNC_RW mode with `lanes` UCX workers (thread-safe ones): transfers from several
+threads run at once, each on the worker UCX bound to the thread that made the READ (a
+thread's first READ takes the next worker in turn), while registrations and peers change
+under NIXL's exclusive lock; this module's own lock guards its tables and every call except
+posting and polling a READ. On one host UCX copies with cma: one kernel copy inside
+`transfer()` (which releases the GIL), so a READ is done when `NixlRead.start` (or
+`post_read`) returns, and READs posted from two threads copy on two cores (a fetch's lanes:
+kvcr_core.peers.lanes); over UCX's TCP transport or RDMA a READ moves while its thread polls.
 A fetch's READs are made with prepared descriptor lists (`slot_list` once per local pool,
 `prepare_reads` once per fetch for the source's addresses), which makes each READ a few us
 of work instead of tens.
@@ -116,9 +120,12 @@ class NixlEngine:
     _shared: ClassVar[NixlEngine | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, chunk_bytes: int = 2 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 1 << 20, lanes: int = 2) -> None:
+        if lanes < 1:
+            raise ValueError("a NIXL engine needs at least one lane")
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
         self.chunk_bytes = chunk_bytes  # the largest READ a PeerClient posts (read_plan)
+        self.lanes = lanes  # UCX workers, and threads a PeerClient READs a fetch with
         self.state = EngineState.IDLE
         self.failure = ""
         self._agent: Any = None
@@ -164,10 +171,11 @@ class NixlEngine:
         try:
             api = _load_api()
             _quiet_nixl_logger()
-            config = api.nixl_agent_config(enable_prog_thread=False,
-                                           enable_listen_thread=False, backends=[])
+            config = api.nixl_agent_config(
+                enable_prog_thread=False, enable_listen_thread=False, backends=[],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
             agent = api.nixl_agent(self.name, config)
-            agent.create_backend("UCX", {})
+            agent.create_backend("UCX", {"num_workers": str(self.lanes)})
         except Exception as exc:  # ImportError, or any nixl/UCX error: TCP it is
             self.failure = f"{type(exc).__name__}: {exc}"
             self.state = EngineState.FAILED
@@ -310,18 +318,15 @@ class NixlEngine:
                 self._slot_lists[key] = handle
             return handle
 
-    def prepare_reads(self, peer: str, slots: Any, local: Sequence[Sequence[int]],
-                      remote: Sequence[int], nbytes: int) -> NixlReads:
-        """The READs of one fetch, made ready to `start()`: READ n moves `nbytes` from each of
-        the next `len(local[n])` addresses of `remote` (in order) into the local slots
-        `local[n]` of `slots` (a `slot_list`). The remote addresses are prepared once for all
-        of them, so each READ costs a few us. The caller must `release()` the result.
+    def prepare_reads(self, peer: str, slots: Any, remote: Sequence[int],
+                      nbytes: int) -> NixlReads:
+        """The source's side of one fetch's READs, prepared once: `nbytes` at each address of
+        `remote` (agent `peer`); `NixlReads.make` then makes each READ from indices into it and
+        into `slots` (a `slot_list`), a few us each, in the thread that will run it. The
+        caller must `release()` the result.
 
-        Raises NixlRequestRefused as `prepare_read` does (and for a local slot that `slots`
-        does not hold)."""
-        if sum(len(chunk) for chunk in local) != len(remote):
-            raise ValueError("as many remote addresses as local slots")
-        reads = NixlReads(self)
+        Raises NixlRequestRefused as `prepare_read` does."""
+        reads = NixlReads(self, peer, slots)
         if not remote:
             return reads  # nothing to read (NIXL refuses an empty list)
         with self._lock:
@@ -329,14 +334,7 @@ class NixlEngine:
             try:
                 reads.remote = agent.prep_xfer_dlist(
                     peer, [(a, nbytes, 0) for a in remote], "DRAM")
-                first = 0
-                for chunk in local:
-                    reads.reads.append(NixlRead(self, agent, agent.make_prepped_xfer(
-                        "READ", slots, list(chunk), reads.remote,
-                        list(range(first, first + len(chunk)))), peer))
-                    first += len(chunk)
             except Exception as exc:
-                reads.release_locked(agent)
                 raise NixlRequestRefused(f"transfer request refused: {exc}") from exc
         return reads
 
@@ -385,9 +383,8 @@ class NixlRead:
         fails (the request is released then)."""
         if time.monotonic() >= deadline:
             raise TimeoutError("deadline passed before a NIXL read")
-        try:
-            with self._engine._lock:
-                self.state = str(self._agent.transfer(self._handle))
+        try:  # not under the engine's lock: READs of other threads copy meanwhile
+            self.state = str(self._agent.transfer(self._handle))
         except Exception as exc:
             self.release()
             raise NixlError(f"posting a transfer failed: {exc}") from exc
@@ -397,18 +394,22 @@ class NixlRead:
         if self.state == "INIT":
             return False
         if self.state == "PROC" and self._handle is not None:
-            with self._engine._lock:
-                self.state = str(self._agent.check_xfer_state(self._handle))
+            self.state = str(self._agent.check_xfer_state(self._handle))
         if self.state not in ("PROC", "DONE"):
             raise NixlError(f"NIXL read from {self.peer} failed")
         return self.state == "DONE"
 
     def wait(self, deadline: float) -> None:
-        """Polls until done; TimeoutError past `deadline`."""
+        """Polls until done; TimeoutError past `deadline`. A READ from this process's own
+        agent (loopback) is served by its first UCX worker, which only moves when someone here
+        drives it, so waiting drives the whole agent then."""
         pause = 0.0
+        loopback = self.peer == self._engine.name
         while not self.poll():
             if time.monotonic() >= deadline:
                 raise TimeoutError("deadline passed during a NIXL read")
+            if loopback:
+                self._engine.progress()
             time.sleep(pause)  # yields the GIL and the core; UCX progresses in check
             pause = min(_POLL_MAX_S, pause * 2 or 2e-5)
 
@@ -417,37 +418,36 @@ class NixlRead:
         if handle is not None:
             self._engine._release(self._agent, handle, self.peer)
 
-    def forget(self, agent: Any) -> None:
-        """Releases a READ never started, the caller holding the engine's lock."""
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                agent.release_xfer_handle(handle)
-
 
 class NixlReads:
-    """The READs of one fetch (`NixlEngine.prepare_reads`) and the prepared remote
-    descriptors they share; `release()` releases (cancels) every READ, then those."""
+    """One fetch's READs from one source (`NixlEngine.prepare_reads`): the source's addresses
+    prepared once; `make` makes each READ. `release()` releases the prepared addresses (each
+    READ is released by whoever ran it)."""
 
-    def __init__(self, engine: NixlEngine) -> None:
+    def __init__(self, engine: NixlEngine, peer: str, slots: Any) -> None:
         self._engine = engine
-        self.reads: list[NixlRead] = []
+        self.peer = peer
+        self.slots = slots
         self.remote: Any = None
 
+    def make(self, local: Sequence[int], first: int) -> NixlRead:
+        """A READ of the prepared addresses `first ..` into the local slots `local` (indices
+        into the slot list), ready to `start()`; UCX binds it to the calling thread's worker.
+        Raises NixlRequestRefused for a slot the list does not hold or addresses beyond those
+        prepared."""
+        with self._engine._lock:
+            agent = self._engine._require()
+            if self.remote is None:
+                raise NixlRequestRefused("no prepared addresses to read")
+            try:
+                handle = agent.make_prepped_xfer("READ", self.slots, list(local), self.remote,
+                                                 list(range(first, first + len(local))))
+            except Exception as exc:
+                raise NixlRequestRefused(f"transfer request refused: {exc}") from exc
+        return NixlRead(self._engine, agent, handle, self.peer)
+
     def release(self) -> None:
-        for read in self.reads:
-            read.release()
         remote, self.remote = self.remote, None
         if remote is not None:
             with self._engine._lock, contextlib.suppress(Exception):
                 self._engine._require().release_dlist_handle(remote)
-
-    def release_locked(self, agent: Any) -> None:
-        """`release()` for READs not yet started, under the engine's lock (nothing moves, so
-        nothing needs cancelling)."""
-        for read in self.reads:
-            read.forget(agent)
-        remote, self.remote = self.remote, None
-        if remote is not None:
-            with contextlib.suppress(Exception):
-                agent.release_dlist_handle(remote)

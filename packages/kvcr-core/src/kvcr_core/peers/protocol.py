@@ -19,12 +19,14 @@ and on a NIXL connection (the control messages stay on this connection):
   C -> S  Fetch(seq, keys)
   S -> C  NixlBlocks(seq, found, addresses, checksums)   (found blocks leased until...)
   S -> C  NixlChecksums(seq, start, checksums)  ...       (with "late_checksums", see below)
-  C -> S  FetchDone(seq)                                  (...the destination has read them)
+  C -> S  FetchDone(seq, inline)                          (...the destination has read them)
 Feature "late_checksums" (NIXL connections, when both sides name it): NixlBlocks may carry
 the checksums of only its first k found blocks (those the source had already computed), so
 the destination starts reading at once; the rest follow, in order, in NixlChecksums messages
 (`start` = how many were given before) sent while it reads, all before the source reads
-FetchDone.
+FetchDone. FetchDone's `inline` (optional, default false) says every READ of that fetch
+copied within the reader's own call (UCX cma), so the source may drive NIXL progress lazily
+while this peer reads, until a FetchDone says otherwise.
 The destination verifies every block against the source's checksum and publishes only blocks
 that match; a transfer cut short keeps the blocks that arrived whole and verified. Optional
 trailing fields keep version-1 peers without NIXL compatible both ways.
@@ -125,9 +127,12 @@ class NixlChecksums(_Msg, tag="nixl_checksums"):
 
 
 class FetchDone(_Msg, tag="fetch_done"):
-    """The destination no longer reads the blocks of NixlBlocks `seq`: the source releases."""
+    """The destination no longer reads the blocks of NixlBlocks `seq`: the source releases.
+    `inline`: each of its READs was done when posted (the copy ran in the reader's own call,
+    as UCX's cma does), so the source need not drive progress while this peer reads."""
 
     seq: int
+    inline: bool = False
 
 
 class Inventory(_Msg, tag="inventory"):

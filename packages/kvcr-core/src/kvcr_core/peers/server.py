@@ -14,7 +14,10 @@ checksums, and the lease is held until the destination's FetchDone (or the conne
 With late_checksums (both sides name it) the answer goes out at once with the checksums
 already known, and the others follow, 1 MiB of blocks at a time, while the destination reads.
 NIXL's progress thread is off, so while a NIXL peer may be connecting or reading, its
-connection thread drives progress between polls of the socket (backing off to 50 ms when idle).
+connection thread drives progress between polls of the socket: every 0.1 ms while the peer
+reads (UCX over TCP moves bytes only then), else backing off to 50 ms (connection set-up,
+keep-alives), which is also the pace once the peer's FetchDone says its READs copy in its own
+calls (UCX cma on one host: polling there only took CPU from the reader's copies).
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ class PeerServer:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(raw, server_side=True)
             store, nixl, late = self._handshake(conn)
+            inline = False  # the peer's last FetchDone: its READs copied in its own calls
             while True:
                 message = pp.decode_to_server(self._next_frame(conn, nixl))
                 if isinstance(message, pp.Inventory):
@@ -153,7 +157,7 @@ class PeerServer:
                     conn.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
                 elif isinstance(message, pp.Fetch) and store is not None:
                     if nixl:
-                        self._fetch_nixl(conn, store, message, owner, late)
+                        inline = self._fetch_nixl(conn, store, message, owner, late, inline)
                     else:
                         self._fetch(conn, store, message, owner)
                 else:
@@ -250,10 +254,13 @@ class PeerServer:
             store.release(lease.op)
 
     def _fetch_nixl(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
-                    owner: OwnerId, late: bool) -> None:
+                    owner: OwnerId, late: bool, inline: bool) -> bool:
         """Tells where the blocks lie; the destination READs them, then says FetchDone. With
         `late` (late_checksums) the answer goes out at once with the checksums already known,
-        and the others follow group by group while the destination reads."""
+        and the others follow group by group while the destination reads. While it reads,
+        NIXL progress is driven often, unless its last FetchDone said its READs copy in its
+        own calls (`inline`: UCX cma on one host), which need none from us. Returns what this
+        fetch's FetchDone says."""
         region = self._nixl_region(store)
         if region is None:
             raise ConnectionAbortedError("the server is closing")
@@ -270,12 +277,13 @@ class PeerServer:
             for start in range(len(known), len(slots), per_group):
                 group = [sums.of(s) for s in slots[start:start + per_group]]
                 conn.sendall(pp.encode(pp.NixlChecksums(fetch.seq, start, group)))
-                if self.nixl is not None:
+                if self.nixl is not None and not inline:
                     self.nixl.progress()  # UCX over TCP serves the reads only when we do
-            done = pp.decode_to_server(self._next_frame(conn, nixl=True, reading=True))
+            done = pp.decode_to_server(self._next_frame(conn, nixl=True, reading=not inline))
             if not isinstance(done, pp.FetchDone) or done.seq != fetch.seq:
                 raise _Refuse(RefuseReason.MALFORMED, f"expected FetchDone({fetch.seq})")
             self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
+            return done.inline
         finally:
             store.release(lease.op)
 
