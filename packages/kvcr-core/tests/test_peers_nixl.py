@@ -5,19 +5,23 @@ contract tests run over NIXL too, in test_peers.py.)"""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
+from kvcr_core.framing import frame, recv_frame
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.peers import client as client_module
+from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.nixl_transport import (
     NixlEngine,
     NixlRead,
@@ -227,21 +231,22 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
 @pytest.fixture
 def one_block_reads(engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each NIXL READ moves one block, so a fetch of a few blocks is many READs, which the
-    fetching thread and the lane thread take in turn."""
+    two read lanes take in turn."""
     monkeypatch.setattr(engine, "chunk_bytes", BLOCK)
 
 
 @contextlib.contextmanager
-def on_third_start(monkeypatch: pytest.MonkeyPatch,
-                   action: Callable[[float], object]) -> Iterator[None]:
-    """Runs `action(deadline)` as the third NIXL READ of a fetch starts (mid-fetch)."""
+def on_third_start(monkeypatch: pytest.MonkeyPatch, action: Callable[[float], object], *,
+                   every: bool = False) -> Iterator[None]:
+    """Runs `action(deadline)` as the third NIXL READ of a fetch starts (mid-fetch), or as
+    each one does (`every`)."""
     started = 0
     start = NixlRead.start
 
     def hooked(read: NixlRead, deadline: float) -> None:
         nonlocal started
         started += 1
-        if started == 3:
+        if started == 3 or every:
             action(deadline)
         start(read, deadline)
 
@@ -258,7 +263,6 @@ def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     keys = random_keys(3, seed=23)
     client = PeerClient(store, SECRET, metrics, nixl=True)
     result = client.fetch(source.endpoint, keys, deadline_s=10)
-    assert any(t.name == "kvcr-lane-1" for t in threading.enumerate())  # two lanes
     assert result.transport is Transport.NIXL
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
     assert store.contains(keys) == [True, False, True]
@@ -276,24 +280,33 @@ def published_as_reported(store: NamespaceStore, keys: list[BlockKey],
     assert store.index.filling_blocks == 0
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("parallel", [False, True], ids=["alone", "lanes"])
 def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
-        one_block_reads, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        one_block_reads, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: with READs in flight and checks pending, a cancel publishes unchecked blocks or
-    leaves slots FILLING; without one, bytes land in the wrong slots. One lane stops right
-    after the READ it was in when the caller cancelled; with two, the other lane may finish
-    the READ it had begun as well."""
+    leaves slots FILLING; without one, bytes land in the wrong slots. A fetching thread that
+    READs alone stops right after the READ it was in when the caller cancelled; with the two
+    lanes, the other lane may finish the READ it had begun as well."""
     source_runner, server, keys, _ = stocked_source(40, 24, nixl=True)
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True, read_lanes=lanes)
-    whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
+    client = PeerClient(store, SECRET, metrics, nixl=True, parallel_reads=parallel)
+    readers: set[str] = set()
+
+    def slow_read(deadline: float) -> None:  # lets a lane join even on a busy machine
+        readers.add(threading.current_thread().name)
+        time.sleep(0.003)
+
+    with on_third_start(monkeypatch, slow_read, every=True):
+        whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
     assert whole.fetched == 20 and whole.transport is Transport.NIXL
+    assert readers == ({"kvcr-lane-0", "kvcr-lane-1"} if parallel  # both lanes READ
+                       else {threading.current_thread().name})
     assert store.load(keys[:20]) == [pattern_block(k, BLOCK) for k in keys[:20]]
 
     cancel = threading.Event()
     with on_third_start(monkeypatch, lambda deadline: cancel.set()):  # the caller cancels
         result = client.fetch(server.endpoint, keys[20:], deadline_s=10, cancel=cancel)
-    if lanes == 1:
+    if not parallel:
         assert result.statuses == (FetchStatus.OK,) * 3 + (FetchStatus.CANCELLED,) * 17
     else:
         assert set(result.statuses) == {FetchStatus.OK, FetchStatus.CANCELLED}
@@ -340,20 +353,20 @@ def test_reads_of_shrinking_size_check_every_block_where_it_lands(
     source_runner.close()
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("parallel", [False, True], ids=["alone", "lanes"])
 def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
-        one_block_reads, lanes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        one_block_reads, parallel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: a deadline that passes between READs throws away blocks that were read and
     checked before it, publishes the block whose READ it stopped, or the fetch outlives it.
     The source has served these blocks before, so their checksums come with the addresses.
-    With two lanes the other one reads on while one stalls, until the deadline."""
+    On the two lanes, the other one reads on while one stalls, until the deadline."""
     source_runner, server, keys, _ = stocked_source(6, 25, nixl=True)
     _, warm_store, warm_metrics = node()
     warm = PeerClient(warm_store, SECRET, warm_metrics, nixl=True)
     assert warm.fetch(server.endpoint, keys, deadline_s=10).fetched == 6  # checksums known
     warm.close()
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True, read_lanes=lanes)
+    client = PeerClient(store, SECRET, metrics, nixl=True, parallel_reads=parallel)
 
     def stall(deadline: float) -> None:  # the source stalls past the deadline
         time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
@@ -362,11 +375,11 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
     with on_third_start(monkeypatch, stall):
         result = client.fetch(server.endpoint, keys, deadline_s=1.0)
     assert time.monotonic() - started < 5.0 and result.detail == "deadline passed"
-    if lanes == 1:
+    if not parallel:
         assert result.statuses == (FetchStatus.OK,) * 2 + (FetchStatus.TIMEOUT,) * 4
     else:
         assert set(result.statuses) == {FetchStatus.OK, FetchStatus.TIMEOUT}
-        assert result.statuses[:2] == (FetchStatus.OK,) * 2
+        assert result.fetched >= 2  # two READs started before the stalled one, and finished
     published_as_reported(store, keys, result.statuses)
     client.close()
     server.close()
@@ -429,5 +442,74 @@ def test_first_serves_in_a_row_keep_the_connection_in_step(
         assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     assert source_metrics.connections == {"tcp": 0, "nixl": 1}  # one pooled connection
     client.close()
+    server.close()
+    source_runner.close()
+
+
+@pytest.mark.parametrize("copied_when_posted", [True, False], ids=["cma-like", "network-like"])
+def test_fetch_done_says_whether_every_read_copied_when_posted(
+        copied_when_posted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: a client tells its source that its READs need no progress from it when one of
+    them did (over UCX's TCP transport they would then crawl), or never tells it (the source
+    polls NIXL every 0.1 ms and takes the CPU the copies need)."""
+    start = NixlRead.start
+
+    def start_as_transport(read: NixlRead, deadline: float) -> None:
+        start(read, deadline)
+        if copied_when_posted and read.state == "PROC":
+            read.wait(deadline)  # done by the time start returns, as over cma
+        elif not copied_when_posted and read.state == "DONE":
+            read.state = "PROC"  # still moving after start, as over a network
+
+    monkeypatch.setattr(NixlRead, "start", start_as_transport)
+    source = FakePeerSource(SECRET, BLOCK, "good", Transport.NIXL)
+    _, store, metrics = node()
+    client = PeerClient(store, SECRET, metrics, nixl=True)
+    keys = random_keys(3, seed=32)
+    assert client.fetch(source.endpoint, keys, deadline_s=10).fetched == 3
+    until = time.monotonic() + 5  # the source reads the FetchDone after the fetch returns
+    while source.done is None and time.monotonic() < until:
+        time.sleep(0.01)
+    assert isinstance(source.done, pp.FetchDone) and source.done.inline is copied_when_posted
+    client.close()
+    source.close()
+
+
+def test_a_source_drives_progress_for_a_reader_unless_its_reads_copy_inline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: a source polls NIXL every 0.1 ms for a peer whose READs copy within their own
+    call (cma: it only steals the CPU those copies need), or stops polling for one whose READs
+    need it. It follows each FetchDone: polling often until one says `inline`, and again once
+    one does not. A FetchDone from an older client (no `inline`) means polling."""
+    source_runner, server, keys, _ = stocked_source(4, 31, nixl=True)
+    reading: list[bool] = []
+    next_frame = PeerServer._next_frame
+
+    def spy(self: PeerServer, conn: socket.socket, nixl: bool, **kw: bool) -> bytearray:
+        if "reading" in kw:  # the wait for a FetchDone (the wait for a request names none)
+            reading.append(kw["reading"])
+        return next_frame(self, conn, nixl, **kw)
+
+    monkeypatch.setattr(PeerServer, "_next_frame", spy)
+    host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    ready = client_module.authenticate(sock, SECRET, NS, BLOCK, server.endpoint,
+                                       (Transport.NIXL.value,))
+    assert ready.transport == Transport.NIXL.value
+    older = msgspec.msgpack.encode(["fetch_done", 4])  # FetchDone as sent before `inline`
+    for seq, inline in enumerate([True, False, True, None], start=1):
+        sock.sendall(pp.encode(pp.Fetch(seq, keys)))
+        answer = pp.decode_to_client(recv_frame(sock)[0])
+        assert isinstance(answer, pp.NixlBlocks) and all(answer.found)
+        sock.sendall(frame(older) if inline is None else pp.encode(pp.FetchDone(seq, inline)))
+    sock.sendall(pp.encode(pp.Fetch(5, keys)))  # its answer comes after the fourth FetchDone
+    assert isinstance(pp.decode_to_client(recv_frame(sock)[0]), pp.NixlBlocks)
+    assert reading[:4] == [True, False, True, False]  # the fifth: as the older client's said
+    until = time.monotonic() + 5
+    while len(reading) < 5 and time.monotonic() < until:
+        time.sleep(0.01)
+    assert reading[4] is True
+    assert pp.decode_to_server(older) == pp.FetchDone(4, False)
+    sock.close()
     server.close()
     source_runner.close()

@@ -125,6 +125,7 @@ class FakePeerSource:
         self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
         self.release = threading.Event()
         self.late = False  # NIXL: sends checksums after NixlBlocks (the client offered it)
+        self.done: object = None  # NIXL: the FetchDone the client sent
         self.region = HostRegion.create(max_blocks * block_bytes, RegionKind.ANONYMOUS)
         self.metadata = (NixlEngine.shared().register(self.region.address, self.region.size_bytes)
                          if self.nixl else b"")
@@ -193,4 +194,4 @@ class FakePeerSource:
             conn.sendall(pp.encode(pp.NixlBlocks(seq, [True] * len(blocks), addresses,
                                                  sums[:1])))
             conn.sendall(pp.encode(pp.NixlChecksums(seq, 1 + skip, sums[1 + skip:])))
-        pp.decode_to_server(recv_frame(conn)[0])  # FetchDone
+        self.done = pp.decode_to_server(recv_frame(conn)[0])  # FetchDone

@@ -8,11 +8,13 @@ source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (
   reads them). With NIXL its main thread drives NIXL progress every 0.1 ms for the raw reads
   (the progress thread is off; UCX over TCP needs the source's), until `P 0` says they copy
   within the post (cma), as the server stops when a peer's FetchDone says so.
-destination: times, alternating within each repetition, the raw baseline into a plain
-  page-aligned region, the raw transfer followed by xxh3 of each block (the cost of verifying
-  in line, for reference), a cold kvcr fetch and a warm one into its pool's reserved slots
-  (64 blocks per fetch), then one-block operations; prints one JSON row.
-Single-threaded apart from the servers' own threads.
+destination: times, alternating within each repetition, the raw baseline into a plain page-
+  aligned region, with NIXL that READ split in two on the engine's two read lanes ("raw x2",
+  for reference: kvcr READs a fetch on those lanes), the raw transfer followed by xxh3 of
+  each block (the cost of verifying in line, for reference), a cold kvcr fetch and a warm
+  one into its pool's reserved slots (64 blocks per fetch), then one-block operations;
+  prints one JSON row. Single-threaded apart from the servers' own threads and the read
+  lanes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_exact_into, send_all
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers.lanes import LaneJob
 from kvcr_core.peers.nixl_transport import NixlEngine
 from kvcr_core.peers.protocol import checksum
 from kvcr_core.runner import NamespaceStore, Runner
@@ -166,6 +169,18 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
             engine.read(source_agent, [region.address + i * block_bytes
                                        for i in range(first, first + count)],
                         remote[first:first + count], block_bytes, time.monotonic() + 60)
+
+        def raw2_run(first: int, count: int) -> None:
+            """The raw READ split in two, one half on each of the engine's read lanes (each
+            on a UCX worker of its own), as kvcr splits a fetch: what NIXL itself reaches with
+            two cores copying."""
+            halves = [(first, count // 2), (first + count // 2, count - count // 2)]
+
+            def half(n: int) -> list[int]:
+                raw_run(*halves[n])
+                return []
+
+            engine.read_lanes.run(LaneJob(2, half), time.monotonic() + 60)
     else:
         def raw_run(first: int, count: int) -> None:
             raw.sendall(_REQ.pack(b"R", first, count))
@@ -201,9 +216,11 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
         raw.sendall(_REQ.pack(b"P", 0, 0))
     clear()
     timed(kvcr_run)
-    t_raw, t_checked, t_cold, t_warm = [], [], [], []
+    t_raw, t_raw2, t_checked, t_cold, t_warm = [], [], [], [], []
     for _ in range(reps):
         t_raw.append(timed(raw_run))
+        if engine is not None:
+            t_raw2.append(timed(raw2_run))
         t_checked.append(timed(raw_checked_run))
         restore()
         clear()
@@ -226,6 +243,8 @@ def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
             "kvcr_cold_gbps": gb / statistics.median(t_cold),
             "ratio": _median_ratio(t_raw, t_warm), "ratio_cold": _median_ratio(t_raw, t_cold),
             "raw_checked_ratio": _median_ratio(t_raw, t_checked),
+            "raw2_gbps": gb / statistics.median(t_raw2) if t_raw2 else None,
+            "ratio_raw2": _median_ratio(t_raw2, t_warm) if t_raw2 else None,
             "small_fetch_p50_us": statistics.median(small) * 1e6,
             "raw_small_p50_us": statistics.median(raw_small) * 1e6}
 

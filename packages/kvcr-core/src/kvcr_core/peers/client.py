@@ -8,14 +8,13 @@ source's leased slots (the control messages stay on the authenticated TCP connec
 block's xxh3-64 is verified against the source's checksum before it is published; a block
 that does not match is dropped and counted. Per-key results carry reasons (`FetchStatus`).
 
-Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and
-each NIXL poll is bounded by the time left; a NIXL fetch moves in READs of at most
-`chunk_bytes`, in the sizes of `read_plan`, which the fetching thread and the client's lane
-threads take in turn, each hashing the chunk it read; no lane is left writing once the fetch
-returns); on timeout or cancel nothing half-written becomes READY, and a connection whose
-stream could be out of step is dropped. `fetch_async` returns a handle (poll / result /
-cancel) and runs on a bounded pool of threads; beyond the bound it refuses at once
-(CAPACITY) instead of queueing.
+Deadlines: every fetch ends by its deadline whatever the peer does (each socket wait and each
+NIXL poll is bounded by the time left; a NIXL fetch moves in READs of at most `chunk_bytes`, in
+the sizes of `read_plan`, which the NIXL engine's read lanes take in turn, each hashing the
+chunk it read; no lane is left writing once the fetch returns); on timeout or cancel nothing
+half-written becomes READY, and a connection whose stream could be out of step is dropped.
+`fetch_async` returns a handle (poll / result / cancel) and runs on a bounded pool of threads;
+beyond the bound it refuses at once (CAPACITY) instead of queueing.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from kvcr_core.types import BlockKey, OpId, SlotId
 _MAX_IDLE_PER_PEER = 4
 _FEATURES = (pp.LATE_CHECKSUMS,)  # offered with NIXL (tests turn it off to act older)
 _NIXL_LAST_READ_BYTES = 512 << 10  # see read_plan
+_ALONE = ReadLanes(0)  # a fetch READ by its own thread (parallel_reads off)
 _MAX_KNOWN_PEERS = 256
 # a block a NIXL fetch reads: key index, local slot, source address, place among the found
 # blocks (that of its checksum)
@@ -148,13 +148,13 @@ class _Fetch:
 
 class PeerClient:
     """Fetches into one local namespace store from peers that share its secret.
-    `nixl=True` (opt-in) moves connections to NIXL when both sides have it; `read_lanes`
-    threads (by default one per UCX worker of the NIXL engine, at most that) READ and check
-    each NIXL fetch together."""
+    `nixl=True` (opt-in) moves connections to NIXL when both sides have it; its fetches are
+    READ and checked by the NIXL engine's read lanes (`parallel_reads`), or else by the
+    fetching thread alone."""
 
     def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
                  max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = False,
-                 read_lanes: int | None = None) -> None:
+                 parallel_reads: bool = True) -> None:
         self.store = store
         self.secret = secret
         self.metrics = metrics
@@ -164,13 +164,7 @@ class PeerClient:
             self.nixl.start()
         self._nixl_region: int | None = None  # our pool's address, once registered
         self._nixl_failed = False
-        lanes = self.nixl.lanes if self.nixl is not None else 1
-        if read_lanes is not None:
-            if read_lanes < 1:
-                raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
-            lanes = min(lanes, read_lanes)
-        # threads that READ a NIXL fetch's chunks with the fetching one (started on first use)
-        self._lanes = ReadLanes(lanes - 1)
+        self._parallel_reads = parallel_reads
         self._tcp_until: dict[str, float] = {}  # endpoint -> when to offer it NIXL again
         self._valid: set[str] = set()  # endpoints already parsed
         self._idle: dict[str, list[_Connection]] = {}
@@ -181,7 +175,6 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._lanes.close()
         with self._lock:
             idle, self._idle = self._idle, {}
             region, self._nixl_region = self._nixl_region, None
@@ -324,9 +317,9 @@ class PeerClient:
         return True
 
     def _read_nixl(self, conn: _Connection, reply: pp.NixlBlocks, job: _Fetch) -> bool:
-        """READs the found blocks in the chunks of `read_plan`, on this thread and the client's
-        lane threads at once (kvcr_core.peers.lanes: each thread READs a chunk, then hashes it
-        while it is in its core's cache, then takes the next). Every READ is made from
+        """READs the found blocks in the chunks of `read_plan` on the NIXL engine's read lanes
+        (kvcr_core.peers.lanes: each lane READs a chunk, then hashes it while it is in its
+        core's cache, then takes the next; this thread waits). Every READ is made from
         prepared lists (`NixlEngine.prepare_reads`: local slots by index in the pool's
         prepared slot list), so little Python runs between copies. Once no chunk is being read
         any more, FetchDone releases the source's leases, the checksums still owed arrive
@@ -381,9 +374,10 @@ class PeerClient:
             return [checksum(view(slot)) for slot in slots[n]]
 
         lanes = LaneJob(len(chunks), read_and_hash)
+        runner = self.nixl.read_lanes if self._parallel_reads else _ALONE
         try:
             try:
-                self._lanes.run(lanes)
+                runner.run(lanes, deadline, job.cancelled)
             finally:
                 reads.release()
                 job.received += pool.slot_bytes * sum(

@@ -1,32 +1,38 @@
-"""`ReadLanes`: threads that READ and hash a NIXL fetch's chunks beside the fetching thread.
+"""`ReadLanes`: the threads that READ and hash a NIXL fetch's chunks side by side.
 
 Why: where the copy runs in the thread that posts a READ (UCX cma on one host: one kernel
 copy inside `transfer()`), one thread copies at about 4 GB/s here, while memory serves two
 such copies at once (7.3 GB/s for two threads on this 2-core VM); and a chunk's xxh3 is
 cheapest right after its copy, on the same core, while the bytes are still in its cache. So
-the fetching thread and the lane threads each take the next chunk of a fetch, READ it and
-hash it, side by side. (Each lane READs on a UCX worker of its own: `NixlEngine` keeps one
-per lane and UCX binds a READ to the worker of the thread that makes it.)
+each lane takes the next chunk of a fetch, READs it and hashes it. Two lanes copy at once only
+on two UCX workers, and UCX binds a thread to a worker when it first makes a transfer (the
+next worker in turn): so the lanes belong to the process's `NixlEngine`, which starts them
+one after another, each `bind`ing itself before the next starts and before any other thread
+can reach the agent. Threads outside the lanes (a fetch's own) never READ when there are
+lanes, so no two copies meet on one worker.
 
 A `LaneJob` is one fetch's chunks: `work(n)` reads and hashes chunk n and returns its
-digests (None: not done, e.g. the fetch was cancelled; `work` stops the job then).
-`ReadLanes.run(job)` offers the job to the lane threads and works on it in the calling thread
-too; each thread claims the next unclaimed chunk until none is left or the job is stopped
-(`stop()`, or a chunk that failed: `run` re-raises its error). `run` returns only once every
-claimed chunk is finished, so nothing writes into a slot afterwards; `work` must honour the
-fetch's deadline (every NIXL wait does).
+digests (None: not done, e.g. the fetch was cancelled; `work` stops the job then). `run`
+offers the job to every lane and waits until every chunk is done, the job is stopped (by
+`work`, or a chunk that failed: `run` re-raises its error), the caller's `stopped()` says so,
+or the deadline passes (TimeoutError if chunks were left); in every case it returns only once
+no lane works on the job any more, so nothing writes into a slot afterwards. `work` must
+honour the fetch's deadline (every NIXL wait does). With no lane threads (one lane), or a
+single chunk, `run` does the chunks in the calling thread (whose READ may then share a worker
+with a lane's: UCX serialises the two, which is correct, only not parallel).
 
-Bounded: `helpers` threads, started on first use and stopped by `close()`; a job waits in
-their queue only while its fetch runs (a helper that takes it after the fetching thread has
-claimed every chunk finds nothing to do). With no helpers (one lane) or after `close()`, the
-calling thread does every chunk.
+Bounded: the lane threads (one per UCX worker) live as long as the process; jobs of fetches
+running at once queue for them in order.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
+
+_CHECK_STOPPED_S = 0.05  # how often a waiting fetch looks at its cancel flag
 
 
 class LaneJob:
@@ -67,56 +73,81 @@ class LaneJob:
                     if not self._busy:
                         self._state.notify_all()
 
-    def wait_idle(self) -> None:
-        """Returns once no chunk is being worked on (each `work` is bounded by the fetch's
-        deadline, so this is too)."""
+    def wait(self, deadline: float, stopped: Callable[[], bool]) -> bool:
+        """Waits until no chunk is left to claim or being worked on; stops the job first if
+        `deadline` passes or `stopped()` says so. Returns whether every chunk was claimed."""
         with self._state:
-            while self._busy:
-                self._state.wait()
+            while self._next < self._end or self._busy:
+                if self._next < self._end and (time.monotonic() >= deadline or stopped()):
+                    self._end = self._next
+                    continue
+                left = deadline - time.monotonic()
+                self._state.wait(max(0.0, min(left, _CHECK_STOPPED_S)) if self._next < self._end
+                                 else None)  # only lanes' own bounded work is left: wait it out
+            return self._end == len(self.digests)
 
 
 class ReadLanes:
-    def __init__(self, helpers: int) -> None:
-        self.helpers = max(0, helpers)
+    def __init__(self, threads: int, bind: Callable[[], None] | None = None) -> None:
+        self.threads = max(0, threads)
+        self._bind = bind
         self._queue: queue.SimpleQueue[LaneJob | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._running: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._closed = False
 
-    def run(self, job: LaneJob) -> None:
-        """Does `job` on this thread and the helpers; returns when no chunk is being worked on
-        any more. Re-raises the first error a chunk raised (the job stops at it)."""
+    def start(self) -> None:
+        """Starts the lane threads one after another, each running `bind` first; raises what a
+        `bind` raised (no lane is left running then)."""
         with self._lock:
-            offered = not self._closed and self.helpers > 0
-            if offered and not self._threads:
-                for i in range(self.helpers):
-                    thread = threading.Thread(target=self._serve, name=f"kvcr-lane-{i + 1}",
-                                              daemon=True)
-                    thread.start()
-                    self._threads.append(thread)
-        if offered:
-            for _ in range(self.helpers):
-                self._queue.put(job)
-        try:
+            for i in range(self.threads):
+                bound = threading.Event()
+                failed: list[BaseException] = []
+                thread = threading.Thread(target=self._serve, args=(bound, failed),
+                                          name=f"kvcr-lane-{i}", daemon=True)
+                thread.start()
+                bound.wait()
+                if failed:
+                    self._stop_locked()
+                    raise failed[0]
+                self._running.append(thread)
+
+    def run(self, job: LaneJob, deadline: float,
+            stopped: Callable[[], bool] = lambda: False) -> None:
+        """Does `job` on the lanes (or here, without any); see the module docstring."""
+        with self._lock:
+            lanes = len(self._running)
+        if not lanes or len(job.digests) == 1:  # one chunk: nothing to share, no hand-off
             job.work_on()
-        except BaseException:
-            job.stop()
-            raise
-        finally:
-            job.wait_idle()
+        else:
+            for _ in range(lanes):
+                self._queue.put(job)
+            if not job.wait(deadline, stopped) and job.error is None and not stopped():
+                raise TimeoutError("deadline passed before every chunk was read")
         if job.error is not None:
             raise job.error
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stops the helpers once the jobs already offered are done."""
+        """Stops the lanes once the jobs already offered are done; later jobs run in the
+        caller."""
         with self._lock:
-            self._closed = True
-            threads, self._threads = self._threads, []
-        for _ in threads:
-            self._queue.put(None)
+            threads = self._stop_locked()
         for thread in threads:
             thread.join(timeout_s)
 
-    def _serve(self) -> None:
+    def _stop_locked(self) -> list[threading.Thread]:
+        threads, self._running = self._running, []
+        for _ in threads:
+            self._queue.put(None)
+        return threads
+
+    def _serve(self, bound: threading.Event, failed: list[BaseException]) -> None:
+        try:
+            if self._bind is not None:
+                self._bind()
+        except BaseException as exc:
+            failed.append(exc)
+            return
+        finally:
+            bound.set()
         while (job := self._queue.get()) is not None:
             job.work_on()

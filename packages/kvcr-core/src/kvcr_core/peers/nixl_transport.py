@@ -10,20 +10,21 @@ connection. Transfers are destination-initiated READs from a source's leased slo
 locally reserved slots.
 
 Threading: NIXL's own progress thread is OFF (research/transport.md F1: on 2 cores it burns a
-core and halves throughput), and so is its listener thread; nothing here starts a thread
-except the one-shot starter. Callers drive progress: a reader polls its transfer; a source
-calls `progress()` while a peer may be connecting or reading. The agent runs in
-NIXL_THREAD_SYNC_RW mode with `lanes` UCX workers (thread-safe ones): transfers from several
-threads run at once, each on the worker UCX bound to the thread that made the READ (a
-thread's first READ takes the next worker in turn), while registrations and peers change
-under NIXL's exclusive lock; this module's own lock guards its tables and every call except
-posting and polling a READ. On one host UCX copies with cma: one kernel copy inside
-`transfer()` (which releases the GIL), so a READ is done when `NixlRead.start` (or
-`post_read`) returns, and READs posted from two threads copy on two cores (a fetch's lanes:
-kvcr_core.peers.lanes); over UCX's TCP transport or RDMA a READ moves while its thread polls.
-A fetch's READs are made with prepared descriptor lists (`slot_list` once per local pool,
-`prepare_reads` once per fetch for the source's addresses), which makes each READ a few us
-of work instead of tens.
+core and halves throughput), and so is its listener thread; nothing here starts a thread except
+the one-shot starter and the read lanes (idle, blocked, between fetches). Callers drive
+progress: a reader polls its transfer; a source calls `progress()` while a peer may be
+connecting or reading. The agent runs in NIXL_THREAD_SYNC_RW mode with `lanes` UCX workers
+(thread-safe ones): transfers from several threads run at once, each on the worker UCX bound to
+the thread that made the READ (a thread's first READ takes the next worker in turn), while
+registrations and peers change under NIXL's exclusive lock; this module's own lock guards its
+tables and every call except posting and polling a READ. `read_lanes` are one thread per
+worker, each bound to its own at start (before anyone else can make a READ), that READ and hash
+fetches' chunks (kvcr_core.peers.lanes). On one host UCX copies with cma: one kernel copy
+inside `transfer()` (which releases the GIL), so a READ is done when `NixlRead.start` (or
+`post_read`) returns, and READs of two lanes copy on two cores; over UCX's TCP transport or
+RDMA a READ moves while its thread polls. A fetch's READs are made with prepared descriptor
+lists (`slot_list` once per local pool, `prepare_reads` once per fetch for the source's
+addresses), which makes each READ a few us of work instead of tens.
 
 Flavours: nixl ships per-CUDA wheels (nixl_cu12, nixl_cu13) behind the `nixl` meta package,
 which imports torch to choose on CPU-only hosts (seconds). A flavour already imported in this
@@ -51,6 +52,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvcr_core.errors import KVCRError
+from kvcr_core.memory import HostRegion, RegionKind
+from kvcr_core.peers.lanes import ReadLanes
 
 log = logging.getLogger("kvcr_core.peers")
 _FLAVOURS = ("nixl_cu13", "nixl_cu12")  # the meta package's own order when no CUDA is found
@@ -125,7 +128,8 @@ class NixlEngine:
             raise ValueError("a NIXL engine needs at least one lane")
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
         self.chunk_bytes = chunk_bytes  # the largest READ a PeerClient posts (read_plan)
-        self.lanes = lanes  # UCX workers, and threads a PeerClient READs a fetch with
+        self.lanes = lanes  # UCX workers, and the threads that READ fetches (read_lanes)
+        self.read_lanes = ReadLanes(0)  # bound lane threads once started
         self.state = EngineState.IDLE
         self.failure = ""
         self._agent: Any = None
@@ -176,6 +180,7 @@ class NixlEngine:
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
             agent = api.nixl_agent(self.name, config)
             agent.create_backend("UCX", {"num_workers": str(self.lanes)})
+            self.read_lanes = self._bound_lanes(agent)
         except Exception as exc:  # ImportError, or any nixl/UCX error: TCP it is
             self.failure = f"{type(exc).__name__}: {exc}"
             self.state = EngineState.FAILED
@@ -186,6 +191,34 @@ class NixlEngine:
                 self.state = EngineState.READY
         finally:
             self._ready.set()
+
+    def _bound_lanes(self, agent: Any) -> ReadLanes:
+        """Starts one lane thread per UCX worker, each bound to a worker of its own: UCX gives
+        a thread the next worker when it first makes a transfer, so each lane makes one (a
+        loopback READ within a probe page, never posted) before the next starts, while no
+        other thread can reach the agent yet."""
+        if self.lanes < 2:
+            return ReadLanes(0)  # one worker: whoever fetches READs
+        probe = HostRegion.create(4096, RegionKind.ANONYMOUS)
+        try:
+            registration = agent.register_memory([(probe.address, 4096, 0, "")], "DRAM")
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(probe.address, 64, 0)], "DRAM")
+            remote = agent.prep_xfer_dlist(self.name, [(probe.address + 64, 64, 0)], "DRAM")
+
+            def bind() -> None:
+                agent.release_xfer_handle(
+                    agent.make_prepped_xfer("READ", local, [0], remote, [0]))
+
+            lanes = ReadLanes(self.lanes, bind)
+            try:
+                lanes.start()
+            finally:
+                agent.release_dlist_handle(local)
+                agent.release_dlist_handle(remote)
+                agent.deregister_memory(registration)
+        finally:
+            probe.close()
+        return lanes
 
     # -- memory and peers ----------------------------------------------------------------------
 
