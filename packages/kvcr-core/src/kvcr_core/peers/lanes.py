@@ -70,7 +70,7 @@ class LaneJob:
             finally:
                 with self._state:
                     self._busy -= 1
-                    if not self._busy:
+                    if not self._busy and self._next >= self._end:  # the job is over
                         self._state.notify_all()
 
     def wait(self, deadline: float, stopped: Callable[[], bool]) -> bool:
