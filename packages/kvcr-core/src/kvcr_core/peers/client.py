@@ -501,13 +501,13 @@ class PeerClient:
 def read_plan(blocks: int, block_bytes: int, largest_bytes: int, last_bytes: int) -> list[int]:
     """How many blocks each NIXL READ of one fetch moves, in order: the last about
     `last_bytes`, each one before it twice the next, up to `largest_bytes`; a small remainder
-    joins the READ after it (never the last). Why: where the copy runs in the reader (cma),
-    each chunk is checked on another core while the next is copied, and the last is checked
-    by the reader once copying ends: a short last READ keeps that tail short, READs of a few
-    MiB keep each hash close behind its copy, and prepared READs cost a few us each. Measured
-    at 256 KiB blocks, 16 MiB fetches, prepared READs (docs/peers.md): 2 MiB READs ending in
-    1 MiB (4, 8 x 7, 4 blocks) 0.72 of raw NIXL against 0.67 for 9, 4, 2 and 1 MiB; equal
-    2 MiB or 4 MiB READs, or ones ending in 512 or 256 KiB, within 0.01 of it."""
+    joins the READ after it (never the last). Why: the read lanes take READs in turn and each
+    hashes its READ right after copying it, so READs of about 1 MiB keep the hash in the
+    lane's cache and let the lanes share the work evenly, short last READs let both finish at
+    about the same time, and prepared READs cost a few us each. Measured at 256 KiB blocks,
+    16 MiB fetches, two lanes (docs/peers.md): 1 MiB READs ending in 512 KiB (2, 4 x 15, 2
+    blocks) 0.905 and 0.917 of raw NIXL against 0.888 and 0.891 for 2 MiB ending in 1 MiB;
+    4 MiB READs 0.84, 512 KiB ones 0.89."""
     largest = max(1, largest_bytes // block_bytes)
     size = max(1, min(largest, last_bytes // block_bytes))
     plan: list[int] = []  # from the end
