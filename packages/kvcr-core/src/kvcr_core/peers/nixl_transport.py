@@ -58,6 +58,7 @@ from kvcr_core.peers.lanes import ReadLanes
 log = logging.getLogger("kvcr_core.peers")
 _FLAVOURS = ("nixl_cu13", "nixl_cu12")  # the meta package's own order when no CUDA is found
 _POLL_MAX_S = 0.0001  # UCX over TCP moves data only while the reader polls
+_LANES = 2  # read lanes (and UCX workers) by default: see kvcr_core.peers.lanes
 
 
 class NixlError(KVCRError):
@@ -123,7 +124,9 @@ class NixlEngine:
     _shared: ClassVar[NixlEngine | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, chunk_bytes: int = 1 << 20, lanes: int = 2) -> None:
+    def __init__(self, chunk_bytes: int = 1 << 20, lanes: int | None = None) -> None:
+        if lanes is None:  # two copies at once where there are two CPUs to run them
+            lanes = min(_LANES, len(os.sched_getaffinity(0)))
         if lanes < 1:
             raise ValueError("a NIXL engine needs at least one lane")
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
@@ -206,26 +209,23 @@ class NixlEngine:
             return ReadLanes(0)
 
     def _start_lanes(self, agent: Any) -> ReadLanes:
-        probe = HostRegion.create(4096, RegionKind.ANONYMOUS)
-        try:
+        with contextlib.ExitStack() as undo:  # the probe goes in every case, in reverse order
+            probe = HostRegion.create(4096, RegionKind.ANONYMOUS)
+            undo.callback(probe.close)
             registration = agent.register_memory([(probe.address, 4096, 0, "")], "DRAM")
+            undo.callback(agent.deregister_memory, registration)
             local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(probe.address, 64, 0)], "DRAM")
+            undo.callback(agent.release_dlist_handle, local)
             remote = agent.prep_xfer_dlist(self.name, [(probe.address + 64, 64, 0)], "DRAM")
+            undo.callback(agent.release_dlist_handle, remote)
 
             def bind() -> None:
                 agent.release_xfer_handle(
                     agent.make_prepped_xfer("READ", local, [0], remote, [0]))
 
             lanes = ReadLanes(self.lanes, bind)
-            try:
-                lanes.start()
-            finally:
-                agent.release_dlist_handle(local)
-                agent.release_dlist_handle(remote)
-                agent.deregister_memory(registration)
-        finally:
-            probe.close()
-        return lanes
+            lanes.start()
+            return lanes
 
     # -- memory and peers ----------------------------------------------------------------------
 
