@@ -361,7 +361,7 @@ class PeerClient:
 
         def read_and_hash(n: int) -> list[int] | None:
             if job.cancelled():
-                lanes.stop()
+                lane_job.stop()
                 return None
             request = reads.make(slots[n], firsts[n])
             try:
@@ -373,28 +373,28 @@ class PeerClient:
                 request.release()
             return [checksum(view(slot)) for slot in slots[n]]
 
-        lanes = LaneJob(len(chunks), read_and_hash)
+        lane_job = LaneJob(len(chunks), read_and_hash)
         runner = self.nixl.read_lanes if self._parallel_reads else _ALONE
         try:
             try:
-                runner.run(lanes, deadline, job.cancelled)
+                runner.run(lane_job, deadline, job.cancelled)
             finally:
                 reads.release()
                 job.received += pool.slot_bytes * sum(
-                    len(chunk) for chunk, got in zip(chunks, lanes.digests, strict=True) if got)
+                    len(chunk) for chunk, got in zip(chunks, lane_job.digests, strict=True) if got)
             self._timeout(conn, deadline)
             # the source's leases can go; and, if every READ copied as it was posted (cma),
             # the source need not drive NIXL progress for us
-            inline = not waited and any(got is not None for got in lanes.digests)
+            inline = not waited and any(got is not None for got in lane_job.digests)
             conn.sock.sendall(pp.encode(pp.FetchDone(reply.seq, inline)))
             while len(sums) < found:  # all it owes, even if we stopped early: the stream
                 self._more_checksums(conn, reply.seq, sums, found, deadline)
         except (FrameError, msgspec.MsgspecError, NixlRequestRefused):
             raise  # a source that breaks the protocol gets nothing published
         except BaseException:  # deadline, cancel, a source gone: what was checked is kept
-            _take_verdicts(job, chunks, lanes.digests, sums)
+            _take_verdicts(job, chunks, lane_job.digests, sums)
             raise
-        _take_verdicts(job, chunks, lanes.digests, sums)
+        _take_verdicts(job, chunks, lane_job.digests, sums)
         return True
 
     def _more_checksums(self, conn: _Connection, seq: int, sums: list[int], found: int,
