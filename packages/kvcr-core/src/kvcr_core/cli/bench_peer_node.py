@@ -89,8 +89,11 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
             view = store.pool.view
             while len(request := conn.recv(_REQ.size, socket.MSG_WAITALL)) == _REQ.size:
                 op, first, count = _REQ.unpack(request)
-                if op == b"P":
-                    polling.set() if first else polling.clear()
+                if op == b"P":  # first: 1 drive progress for the raw reads, 0 not
+                    if first:
+                        polling.set()
+                    else:
+                        polling.clear()
                     continue
                 if op == b"S":
                     _store_all(store, keys)

@@ -345,10 +345,12 @@ class PeerClient:
             nth += 1
         chunks: list[Sequence[_Block]] = []
         firsts: list[int] = []  # each chunk's first place in todo (and in the remote list)
+        first = 0
         for count in read_plan(len(todo), pool.slot_bytes, self.nixl.chunk_bytes,
                                _NIXL_LAST_READ_BYTES):
-            firsts.append(sum(len(chunk) for chunk in chunks))
-            chunks.append(todo[firsts[-1]:firsts[-1] + count])
+            firsts.append(first)
+            chunks.append(todo[first:first + count])
+            first += count
         slots = [[t[1] for t in chunk] for chunk in chunks]
         sums = list(reply.checksums)
         view, checksum = pool.view, pp.checksum
