@@ -11,7 +11,7 @@ import random
 import sys
 import time
 
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.attach import AttachClient, RunnerUnavailable
 from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.testing import pattern_block
 
@@ -28,7 +28,7 @@ def say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def check(client: GuardClient, keys: list[bytes], lease_slots: tuple[int | None, ...]) -> int:
+def check(client: AttachClient, keys: list[bytes], lease_slots: tuple[int | None, ...]) -> int:
     pool = client.pool
     for key, slot in zip(keys, lease_slots, strict=False):
         if slot is not None and bytes(pool.view(slot)) != pattern_block(key, BLOCK):
@@ -40,7 +40,7 @@ def check(client: GuardClient, keys: list[bytes], lease_slots: tuple[int | None,
 def main() -> None:
     socket_path, mode = sys.argv[1], sys.argv[2]
     args = [int(a) for a in sys.argv[3:]]
-    client = GuardClient(socket_path, SPEC, BLOCK, identity=f"worker-{mode}")
+    client = AttachClient(socket_path, SPEC, BLOCK, identity=f"worker-{mode}")
     client.attach()
     if mode in ("store", "store-hang"):  # prompt, blocks (store-hang: then wait to be killed)
         keys = keys_for(args[0], args[1])
@@ -72,7 +72,7 @@ def main() -> None:
     client.close()
 
 
-def soak(client: GuardClient, rng: random.Random, seconds: int) -> None:
+def soak(client: AttachClient, rng: random.Random, seconds: int) -> None:
     deadline = time.monotonic() + seconds
     reads = stores = unavailable = 0
     while time.monotonic() < deadline:
@@ -91,7 +91,7 @@ def soak(client: GuardClient, rng: random.Random, seconds: int) -> None:
                 lease = client.acquire(keys, prefix_only=rng.random() < 0.5)
                 reads += check(client, keys, lease.slots)
                 client.release(lease.op)
-        except GuardUnavailable:
+        except RunnerUnavailable:
             unavailable += 1
             time.sleep(0.01)
     say(reads=reads, stores=stores, unavailable=unavailable)

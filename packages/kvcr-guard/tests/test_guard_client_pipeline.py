@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.attach import AttachClient, RunnerUnavailable
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.testing import pattern_block, random_keys
 
@@ -21,7 +21,7 @@ SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block
 
 def test_requests_in_flight_resolve_in_any_order(guard) -> None:
     """Several submitted requests each get their own reply, whichever is awaited first."""
-    client = GuardClient(guard.socket, SPEC, BLOCK)
+    client = AttachClient(guard.socket, SPEC, BLOCK)
     a, b = random_keys(3, seed=1), random_keys(2, seed=2)
     ra, rb = client.reserve_async(a), client.reserve_async(b)
     res_b, res_a = rb.result(), ra.result()
@@ -41,7 +41,7 @@ def test_requests_in_flight_resolve_in_any_order(guard) -> None:
 
 def test_many_nowait_calls_stay_bounded(guard) -> None:
     """Thousands of fire-and-forget calls never pile up unread replies (no deadlock)."""
-    client = GuardClient(guard.socket, SPEC, BLOCK)
+    client = AttachClient(guard.socket, SPEC, BLOCK)
     keys = random_keys(1, seed=3)
     client.store(keys, [pattern_block(keys[0], BLOCK)])
     for _ in range(2000):
@@ -54,7 +54,7 @@ def test_many_nowait_calls_stay_bounded(guard) -> None:
 
 def test_deferred_commit_of_a_reclaimed_op_is_counted_not_published(guard) -> None:
     """A nowait commit the daemon cannot honour publishes nothing and is counted."""
-    client = GuardClient(guard.socket, SPEC, BLOCK)
+    client = AttachClient(guard.socket, SPEC, BLOCK)
     keys = random_keys(2, seed=4)
     res = client.reserve(keys)
     client.abort(res.op)
@@ -65,9 +65,9 @@ def test_deferred_commit_of_a_reclaimed_op_is_counted_not_published(guard) -> No
 
 
 def test_pending_request_fails_typed_when_daemon_dies(short_tmp, harness) -> None:
-    """An in-flight request whose daemon dies raises GuardUnavailable, never hangs."""
+    """An in-flight request whose daemon dies raises RunnerUnavailable, never hangs."""
     guard = harness.Guard(short_tmp).start()
-    client = GuardClient(guard.socket, SPEC, BLOCK, timeout_s=1.0)
+    client = AttachClient(guard.socket, SPEC, BLOCK, timeout_s=1.0)
     client.attach()
     pending = [client.reserve_async(random_keys(1, seed=s)) for s in range(5)]
     guard.stop(9)  # some may have been answered before the kill, some not
@@ -76,11 +76,11 @@ def test_pending_request_fails_typed_when_daemon_dies(short_tmp, harness) -> Non
     for handle in pending:
         try:
             outcomes.append(handle.result().granted)
-        except GuardUnavailable:
+        except RunnerUnavailable:
             outcomes.append(-1)
     assert time.monotonic() - start < 3.0
     assert all(o in (1, -1) for o in outcomes)
-    with pytest.raises(GuardUnavailable):
+    with pytest.raises(RunnerUnavailable):
         client.reserve(random_keys(1, seed=9))
     client.close()
     guard.log.close()

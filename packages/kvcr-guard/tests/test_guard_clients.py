@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.attach import AttachClient, RunnerUnavailable
 from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.testing import pattern_block
 
@@ -32,7 +32,7 @@ def read_line(proc: subprocess.Popen[str]) -> dict[str, int]:
     return json.loads(line)  # type: ignore[no-any-return]
 
 
-def kill_and_settle(proc: subprocess.Popen[str], observer: GuardClient, field: str):
+def kill_and_settle(proc: subprocess.Popen[str], observer: AttachClient, field: str):
     """SIGKILLs a client, then waits (10 s at most) until the daemon reclaimed `field`."""
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -55,7 +55,7 @@ def test_client_killed_mid_write_never_publishes_and_others_go_on(guard, harness
     """SIGKILL during a write: the block never becomes READY, its slots come back."""
     writer = harness.start_worker(guard, "hang-writing", 3, 6)
     assert read_line(writer) == {"reserved": 6}
-    observer = GuardClient(guard.socket, SPEC, BLOCK)
+    observer = AttachClient(guard.socket, SPEC, BLOCK)
     assert observer.stats().filling_blocks == 6
     stats = kill_and_settle(writer, observer, "filling_blocks")
     assert stats.filling_blocks == 0 and stats.open_reservations == 0
@@ -72,7 +72,7 @@ def test_killed_readers_leases_are_reclaimed(guard, harness) -> None:
     harness.run_worker(guard, "store", 4, 4)
     reader = harness.start_worker(guard, "hold-lease", 4, 4)
     assert read_line(reader) == {"leased": 4}
-    observer = GuardClient(guard.socket, SPEC, BLOCK)
+    observer = AttachClient(guard.socket, SPEC, BLOCK)
     assert observer.stats().leased_slots == 4
     stats = kill_and_settle(reader, observer, "leased_slots")
     assert stats.leased_slots == 0 and stats.open_leases == 0
@@ -92,10 +92,10 @@ def test_killed_and_restarted_client_is_warm(guard, harness) -> None:
 def test_reattach_with_same_identity_is_warm(guard) -> None:
     """Detach and re-attach under the same identity: every READY block is there."""
     keys = keys_for(10, 4)
-    first = GuardClient(guard.socket, SPEC, BLOCK, identity="engine-0")
+    first = AttachClient(guard.socket, SPEC, BLOCK, identity="engine-0")
     first.store(keys, [pattern_block(k, BLOCK) for k in keys])
     first.close()
-    again = GuardClient(guard.socket, SPEC, BLOCK, identity="engine-0")
+    again = AttachClient(guard.socket, SPEC, BLOCK, identity="engine-0")
     assert again.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     again.close()
 
@@ -103,9 +103,9 @@ def test_reattach_with_same_identity_is_warm(guard) -> None:
 def test_namespaces_are_isolated(guard, harness) -> None:
     """Clients of another namespace never see blocks, even with identical keys."""
     harness.run_worker(guard, "store", 6, 3)
-    other = GuardClient(guard.socket, NamespaceSpec(**{**SPEC.__dict__, "tenant": "b"}), BLOCK)
+    other = AttachClient(guard.socket, NamespaceSpec(**{**SPEC.__dict__, "tenant": "b"}), BLOCK)
     assert other.lookup(keys_for(6, 3)) == 0
-    same = GuardClient(guard.socket, SPEC, BLOCK)
+    same = AttachClient(guard.socket, SPEC, BLOCK)
     assert same.lookup(keys_for(6, 3)) == 3
     other.close()
     same.close()
@@ -114,14 +114,14 @@ def test_namespaces_are_isolated(guard, harness) -> None:
 def test_daemon_death_fails_open_then_reattaches_cold(short_tmp, harness) -> None:
     """Daemon killed: typed error, no hang; after it returns the client re-attaches (cold)."""
     guard = harness.Guard(short_tmp).start()
-    client = GuardClient(guard.socket, SPEC, BLOCK, timeout_s=1.0)
+    client = AttachClient(guard.socket, SPEC, BLOCK, timeout_s=1.0)
     keys = keys_for(7, 2)
     assert client.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 2
     guard.stop(signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(GuardUnavailable):
+    with pytest.raises(RunnerUnavailable):
         client.lookup(keys)
-    with pytest.raises(GuardUnavailable, match=r"backoff|attach_failed"):
+    with pytest.raises(RunnerUnavailable, match=r"backoff|attach_failed"):
         client.lookup(keys)
     assert time.monotonic() - start < 2.0
     guard.start()
@@ -130,7 +130,7 @@ def test_daemon_death_fails_open_then_reattaches_cold(short_tmp, harness) -> Non
         try:
             assert client.lookup(keys) == 0  # a new daemon: cold
             break
-        except GuardUnavailable:
+        except RunnerUnavailable:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert client.attach_count == 2
@@ -142,11 +142,11 @@ def test_sigterm_drains_and_exits_zero_and_leaves_nothing(short_tmp, harness) ->
     """SIGTERM: clients get Goodbye, exit 0, socket file removed, no /dev/shm residue."""
     shm_before = set(os.listdir("/dev/shm"))
     guard = harness.Guard(short_tmp).start()
-    client = GuardClient(guard.socket, SPEC, BLOCK)
+    client = AttachClient(guard.socket, SPEC, BLOCK)
     keys = keys_for(8, 2)
     client.store(keys, [pattern_block(k, BLOCK) for k in keys])
     assert guard.stop(signal.SIGTERM) == 0
-    with pytest.raises(GuardUnavailable):
+    with pytest.raises(RunnerUnavailable):
         client.lookup(keys)
     client.close()
     guard.log.close()
@@ -159,7 +159,7 @@ def test_refuses_a_second_daemon_on_a_live_socket(guard) -> None:
     """Starting a second daemon on a served socket fails clearly instead of stealing it."""
     out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", guard.socket],
                          capture_output=True, text=True, timeout=30, check=False)
-    assert out.returncode == 1 and "another kvcr-guard" in out.stderr
+    assert out.returncode == 1 and "another kvcr runner is serving" in out.stderr
 
 
 def test_socket_mode_and_status_command(guard, harness) -> None:

@@ -70,7 +70,7 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     peers are refused."""
     import time
 
-    from kvcr_core.guard_client import GuardClient, GuardUnavailable
+    from kvcr_core.attach import AttachClient, RunnerUnavailable
 
     secret_file = os.path.join(short_tmp, "peer.secret")
     with open(secret_file, "wb") as f:
@@ -86,7 +86,7 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
                                          capture_output=True, text=True,
                                          check=True).stdout)["peer_endpoint"]
     dest = harness.Guard(dir_b, "--peer", endpoint, "--peer-secret-file", secret_file).start()
-    client = GuardClient(dest.socket, SPEC, BLOCK)
+    client = AttachClient(dest.socket, SPEC, BLOCK)
     keys = sequence_keys(SPEC, [31 * 100_000 + t for t in range(16 * 9)])
     ticket = client.peer_fetch(endpoint, keys, deadline_s=10)
     deadline = time.monotonic() + 15
@@ -98,7 +98,7 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     try:
         client.peer_fetch("tcp://127.0.0.1:9", keys, deadline_s=1)
         raise AssertionError("an unlisted endpoint was dialled")
-    except GuardUnavailable as exc:
+    except RunnerUnavailable as exc:
         assert exc.reason == "peer_not_allowed"
     client.close()
     for g in (source, dest):
@@ -114,7 +114,7 @@ def test_nixl_between_guards_is_opt_in() -> None:
             "TEST_NIXL_PEER_SECRET"]
     os.environ["TEST_NIXL_PEER_SECRET"] = "s" * 32
     try:
-        assert not config_from_args(build_parser().parse_args(base)).peer_nixl
-        assert config_from_args(build_parser().parse_args([*base, "--peer-nixl"])).peer_nixl
+        assert not config_from_args(build_parser().parse_args(base)).server.peer.nixl
+        assert config_from_args(build_parser().parse_args([*base, "--peer-nixl"])).server.peer.nixl
     finally:
         del os.environ["TEST_NIXL_PEER_SECRET"]

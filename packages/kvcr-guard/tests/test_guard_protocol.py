@@ -11,8 +11,8 @@ import struct
 import msgspec
 import pytest
 
-from kvcr_core.guard_client import GuardClient
-from kvcr_core.guard_client import protocol as p
+from kvcr_core.attach import AttachClient
+from kvcr_core.attach import protocol as p
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.testing import pattern_block, random_keys
 
@@ -36,7 +36,7 @@ def outcome(sock: socket.socket) -> str:
             payload, fds = p.recv_frame(sock, max_fds=4)
             for fd in fds:
                 os.close(fd)
-            message = p.decode_daemon(payload)
+            message = p.decode_server(payload)
             if isinstance(message, p.Goodbye):
                 return message.reason
     except ConnectionError:
@@ -51,7 +51,7 @@ def attach_raw(path: str) -> socket.socket:
     payload, fds = p.recv_frame(s, max_fds=4)
     for fd in fds:
         os.close(fd)
-    assert isinstance(p.decode_daemon(payload), p.Welcome)
+    assert isinstance(p.decode_server(payload), p.Welcome)
     return s
 
 
@@ -60,7 +60,7 @@ def frame(payload: bytes) -> bytes:
 
 
 def assert_still_serving(path: str) -> None:
-    client = GuardClient(path, SPEC, BLOCK)
+    client = AttachClient(path, SPEC, BLOCK)
     keys = random_keys(2, seed=random.randrange(1 << 30))
     assert client.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 2
     assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
@@ -109,7 +109,7 @@ def test_bad_first_frames_are_refused(guard, name, send, reason) -> None:
 ])
 def test_violations_after_attach_close_only_that_client(guard, name, frames, reason) -> None:
     """A misbehaving attached client is cut off; others keep their connection and data."""
-    bystander = GuardClient(guard.socket, SPEC, BLOCK)
+    bystander = AttachClient(guard.socket, SPEC, BLOCK)
     keys = random_keys(3, seed=11)
     bystander.store(keys, [pattern_block(k, BLOCK) for k in keys])
     sock = attach_raw(guard.socket)
@@ -135,8 +135,8 @@ def test_fuzzed_frames_never_hurt_the_daemon(guard) -> None:
 
 def test_foreign_op_ids_do_nothing(guard) -> None:
     """A client cannot commit or release another client's reservation or lease by id."""
-    alice = GuardClient(guard.socket, SPEC, BLOCK)
-    mallory = GuardClient(guard.socket, SPEC, BLOCK)
+    alice = AttachClient(guard.socket, SPEC, BLOCK)
+    mallory = AttachClient(guard.socket, SPEC, BLOCK)
     keys = random_keys(2, seed=5)
     res = alice.reserve(keys)
     assert mallory.commit(res.op) == 0 and mallory.abort(res.op) == 0
@@ -160,7 +160,7 @@ def test_another_uid_is_refused(guard) -> None:
             s = socket.socket(socket.AF_UNIX)
             s.settimeout(10)
             s.connect(guard.socket)
-            reason = p.decode_daemon(p.recv_frame(s)[0]).reason  # type: ignore[union-attr]
+            reason = p.decode_server(p.recv_frame(s)[0]).reason  # type: ignore[union-attr]
             os.write(write_end, reason.encode())
         finally:
             os._exit(0)

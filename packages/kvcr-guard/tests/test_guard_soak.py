@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcr_core.guard_client import GuardClient
+from kvcr_core.attach import AttachClient
 from kvcr_core.keys import NamespaceSpec
 
 BLOCK = 16384
@@ -57,7 +57,7 @@ def test_soak_with_kills_has_no_corruption_leaks_or_growth(short_tmp, harness) -
     assert kills >= 15
     assert sum(r["reads"] for r in reports) > 0 and sum(r["stores"] for r in reports) > 0
 
-    observer = GuardClient(guard.socket, SPEC, BLOCK)
+    observer = AttachClient(guard.socket, SPEC, BLOCK)
     stats = observer.stats()
     assert stats.filling_blocks == 0 and stats.open_reservations == 0
     assert stats.leased_slots == 0 and stats.open_leases == 0

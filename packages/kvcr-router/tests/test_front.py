@@ -13,17 +13,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.hints import parse_hint
+from kvcr_core.inventory import InventoryBatch
+from kvcr_core.keys import NamespaceSpec
 from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.cost import CostWeights, choose
 from kvcr_router.front import Router
 from kvcr_router.hashing import PromptHasher
 from kvcr_router.hinting import hinted_hashes, strip_client_hints
 from kvcr_router.indexer import BlockIndexer, Tier
-from prometheus_client import CollectorRegistry
-
-from kvcr_core.hints import parse_hint
-from kvcr_core.inventory import InventoryBatch
-from kvcr_core.keys import NamespaceSpec
 
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
                      num_layers=4, num_kv_heads=2, head_dim=64, layout="vllm-0.32.0/cpu/AVX2")

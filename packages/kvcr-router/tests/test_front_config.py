@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvcr_router.cli import build_parser, config_from_args, main
-from kvcr_router.config import RouterConfig, WorkerSpec
-from kvcr_router.cost import CostWeights
 
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec
+from kvcr_router.cli import build_parser, config_from_args, main
+from kvcr_router.config import RouterConfig, WorkerSpec
+from kvcr_router.cost import CostWeights
 
 NS = {"model_id": "m", "dtype": "float32", "kv_dtype": "float32", "block_size_tokens": 32,
       "num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "layout": "vllm-0.32.0/cpu/AVX2"}

@@ -10,11 +10,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
+
 from kvcr_router.feeds import KvEventsFeed, VllmEventTranslator
 from kvcr_router.hashing import PromptHasher
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.metrics import RouterMetrics
-from prometheus_client import CollectorRegistry
 
 DIGEST = bytes(range(16))
 TOKENS = [(i * 31) % 1000 + 3 for i in range(32 * 5)]

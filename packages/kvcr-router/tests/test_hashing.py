@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcr_router.hashing import HfTokenizer, PromptHasher
 
 from kvcr_core.keys import NamespaceSpec, router_hashes, sequence_keys
+from kvcr_router.hashing import HfTokenizer, PromptHasher
 
 REPO = Path(__file__).resolve().parents[3]
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
@@ -34,11 +34,10 @@ def test_hashes_equal_the_vllm_connectors_chain() -> None:
     """The scheduler side of kvcr-vllm keys a request's tokens to the same router hashes
     (the worker matches hint hashes against exactly these)."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    from kvcr_core.keys import router_hash_kvcr_v1
     from kvcr_vllm.scheduler import KVCRConnectorScheduler, _RequestState
     from kvcr_vllm.settings import ConnectorSettings
     from kvcr_vllm.stats import StatsRecorder
-
-    from kvcr_core.keys import router_hash_kvcr_v1
 
     settings = ConnectorSettings.from_extra_config(
         {"mode": "guarded", "socket": "/nonexistent/guard.sock"}, "engine-0")

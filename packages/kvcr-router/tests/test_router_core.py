@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvcr_router.cost import CostWeights, WorkerLoad, choose, evaluate
-from kvcr_router.indexer import BlockIndexer, Tier
 
 from kvcr_core.errors import ConfigError
+from kvcr_router.cost import CostWeights, WorkerLoad, choose, evaluate
+from kvcr_router.indexer import BlockIndexer, Tier
 
 H = list(range(100, 140))  # the prompt's 40 router hashes
 

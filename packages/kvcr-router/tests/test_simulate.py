@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from kvcr_core.errors import ConfigError
 from kvcr_router.cost import CostWeights
 from kvcr_router.indexer import Tier
 from kvcr_router.simulate import (
@@ -25,8 +27,6 @@ from kvcr_router.simulate import (
 from kvcr_router.simulate.fleet import Job, LRUTier, SimWorker
 from kvcr_router.simulate.report import percentile, summarize
 from kvcr_router.simulate.workload import preset
-
-from kvcr_core.errors import ConfigError
 
 
 @pytest.mark.parametrize("kind", list(WorkloadKind))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
 from kvcr_router.cost import Candidate, CostWeights, WorkerLoad, evaluate
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.simulate import main

@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch
+
 from kvcr_sglang import cpu_rig
 from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape
 

@@ -15,10 +15,10 @@ import pytest
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 import torch  # noqa: E402
-from kvcr_sglang import cpu_rig  # noqa: E402
-from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 
 from kvcr_core.errors import ConfigError  # noqa: E402
+from kvcr_sglang import cpu_rig  # noqa: E402
+from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 SHAPE = PoolShape()

@@ -15,12 +15,12 @@ import pytest
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 import torch  # noqa: E402
-from kvcr_sglang import cpu_rig  # noqa: E402
-from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
-from kvcr_sglang.pagestore import router_hash  # noqa: E402
 
 from kvcr_core.peers import PeerSecret  # noqa: E402
 from kvcr_core.peers.inventory_reader import InventoryReader  # noqa: E402
+from kvcr_sglang import cpu_rig  # noqa: E402
+from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
+from kvcr_sglang.pagestore import router_hash  # noqa: E402
 
 SECRET = b"sglang-hint-test-secret-01234567"
 SIDE = str(Path(__file__).with_name("sglang_side.py"))

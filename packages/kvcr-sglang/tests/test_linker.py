@@ -11,6 +11,7 @@ import pytest
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 import torch  # noqa: E402
+
 from kvcr_sglang import cpu_rig  # noqa: E402
 from kvcr_sglang.cpu_rig import PoolShape  # noqa: E402
 

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from kvcr_guard.engine_settings import Mode
+
+from kvcr_core.attach import Mode
+from kvcr_core.errors import ConfigError
 from kvcr_sglang.pagestore import block_key, router_hash
 from kvcr_sglang.settings import BackendSettings
-
-from kvcr_core.errors import ConfigError
 
 BASE = {"backend_name": "kvcr", "module_path": "kvcr_sglang.hicache",
         "class_name": "KVCRHiCacheStorage", "interface_v1": 1, "prefetch_threshold": 256}

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_vllm.settings import namespace_for
 from vllm.engine.arg_utils import EngineArgs
 
-from kvcr_core.guard_client import GuardClient
+from kvcr_core.attach import AttachClient
 from kvcr_core.keys import sequence_keys
+from kvcr_vllm.settings import namespace_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def corrupt_pool(model: str, socket: str, tokens: list[int]) -> int:
     config = EngineArgs(model=model, dtype="float32", max_model_len=4096, block_size=32,
                         enforce_eager=True).create_engine_config()
     spec = namespace_for(config, 0)
-    client = GuardClient(socket, spec, block_bytes_from_stats(socket, spec))
+    client = AttachClient(socket, spec, block_bytes_from_stats(socket, spec))
     keys = sequence_keys(spec, tokens)
     lease = client.acquire(keys, prefix_only=False)
     noise = bytes((i * 131 + 7) % 256 for i in range(client.pool.slot_bytes))

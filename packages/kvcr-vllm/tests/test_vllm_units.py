@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kvcr_guard.engine_settings import Mode
-from kvcr_vllm.settings import ConnectorSettings
 
+from kvcr_core.attach import Mode
 from kvcr_core.errors import ConfigError
+from kvcr_vllm.settings import ConnectorSettings
 
 
 @pytest.mark.parametrize("extra,field", [
@@ -37,7 +37,7 @@ def test_extra_config_defaults_and_values() -> None:
          "kvcr": {"eviction_policy": "arc"}, "save": False}, "e")
     assert guarded.socket == "/run/kvcr/g.sock" and guarded.runner.pool_bytes == 2 << 30
     assert guarded.runner.eviction_policy == "arc" and not guarded.save and guarded.load
-    assert not default.peer_nixl  # NIXL (pool writable by peers) only when asked for
+    assert not default.peer.nixl  # NIXL (pool writable by peers) only when asked for
 
 
 def test_copy_runs_coalesce_consecutive_blocks_and_slots() -> None:
@@ -114,30 +114,3 @@ def test_shipped_examples_are_valid_connector_configs() -> None:
         assert config["kv_connector"] == "KVCRConnector"
         settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"], "e")
         assert settings.mode in (Mode.EMBEDDED, Mode.GUARDED)
-
-
-def test_scheduler_shutdown_stops_its_peer_fetcher() -> None:
-    """Risk: engine shutdown leaves the scheduler's peer fetcher (its fetch and checksum
-    threads) running while the embedded pool it writes into is unmapped."""
-    from kvcr_vllm.scheduler import KVCRConnectorScheduler
-    from kvcr_vllm.stats import StatsRecorder
-    from prometheus_client import CollectorRegistry
-
-    from kvcr_core.config import KVCRConfig
-    from kvcr_core.keys import NamespaceSpec
-    from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret
-    from kvcr_core.runner import Runner
-
-    spec = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
-                         num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")
-    settings = ConnectorSettings.from_extra_config(
-        {"mode": "guarded", "socket": "/nonexistent/kvcr.sock"}, "e")
-    scheduler = KVCRConnectorScheduler(settings, [spec], 4096, StatsRecorder(), "engine-1")
-    runner = Runner(KVCRConfig(pool_bytes=1 << 20), registry=CollectorRegistry())
-    store = runner.open_namespace(spec.digest(), 4096)
-    fetcher = PeerClient(store, PeerSecret(b"s" * 32), PeerMetrics(CollectorRegistry()))
-    scheduler._peer_client = fetcher  # as `_peer()` makes it in embedded mode
-    scheduler.shutdown()
-    with pytest.raises(RuntimeError):  # its fetch threads are gone
-        fetcher.fetch_async("tcp://127.0.0.1:9", [], 1.0)
-    runner.close()

@@ -11,13 +11,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 
+from kvcr_core.attach import AttachClient  # noqa: E402
+from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan  # noqa: E402
 from kvcr_vllm.settings import ConnectorSettings  # noqa: E402
 from kvcr_vllm.stats import StatsRecorder  # noqa: E402
 from kvcr_vllm.worker import KVCRConnectorWorker  # noqa: E402
-
-from kvcr_core.guard_client import GuardClient  # noqa: E402
-from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD2 = 16, 2, 32, 128  # CPU layout [blocks, heads, tokens, 2*hd]
 SPEC = NamespaceSpec(model_id="unit", dtype="float32", kv_dtype="float32",
@@ -46,7 +45,7 @@ def test_save_then_load_moves_exact_pages_between_engines(guard) -> None:
     b.register_kv_caches(b_caches)
     a.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("r1", (3, 4, 5, 6), (tuple(keys),))]))
     a.shutdown()
-    reader = GuardClient(guard.socket, SPEC, 2 * PAGE)
+    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
     lease = reader.acquire(keys)
     assert lease.granted == 4
     reader.release(lease.op)
@@ -87,7 +86,7 @@ def test_failed_save_publishes_nothing(guard) -> None:
     bad = SavePlan("r", (1, NUM_BLOCKS + 5), (tuple(keys),))  # second block id out of range
     worker.wait_for_save(KVCRConnectorMetadata(saves=[bad]))
     worker.shutdown()
-    reader = GuardClient(guard.socket, SPEC, 2 * PAGE)
+    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
     assert reader.lookup(keys) == 0 and reader.stats().filling_blocks == 0
     assert stats.take().data["failures"]["save_copy"] == 1  # type: ignore[union-attr]
     reader.close()

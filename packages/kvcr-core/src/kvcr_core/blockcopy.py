@@ -1,5 +1,5 @@
 """Whole-block copies through anything that hands out pool slots: a local `NamespaceStore`
-or an attached `GuardClient` (the `SlotOwner` protocol). Write = reserve + copy + commit
+or an `AttachClient` (the `SlotOwner` protocol). Write = reserve + copy + commit
 (abort if the copy fails, so nothing half-written is published); read = acquire + copy +
 release. Thread-safety is the slot owner's.
 """

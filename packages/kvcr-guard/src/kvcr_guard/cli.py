@@ -8,10 +8,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvcr_core.attach import PeerConfig, ServerConfig, secret_from
+from kvcr_core.attach.settings import DEFAULT_SECRET_ENV
 from kvcr_core.config import load_config
-from kvcr_core.errors import ConfigError, HintRejected
-from kvcr_core.hints import Endpoint
-from kvcr_core.peers import PeerSecret, PeerTLS
+from kvcr_core.errors import ConfigError
+from kvcr_core.peers import PeerTLS
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
 
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="move peer transfers to NIXL when both sides have it (pip install "
                     "'kvcr-core[nixl]'); NIXL exposes the pool to authenticated peers for "
                     "writes too, so use it only among trusted nodes (docs/peers.md)")
-    ap.add_argument("--peer-secret-env", default="KVCR_PEER_SECRET",
-                    help="environment variable holding the secret (default KVCR_PEER_SECRET)")
+    ap.add_argument("--peer-secret-env", default=DEFAULT_SECRET_ENV,
+                    help=f"environment variable holding the secret (default {DEFAULT_SECRET_ENV})")
     ap.add_argument("--log-level", default=None,
                     help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
     return ap
@@ -60,25 +61,17 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
     if args.log_level is not None:
         overrides["log_level"] = args.log_level
     runner = load_config(args.config, overrides=overrides)
+    secret = (secret_from(args.peer_secret_file, args.peer_secret_env)
+              if args.peer_listen or args.peer else None)
+    peer = PeerConfig(listen=args.peer_listen, secret=secret, peers=frozenset(args.peer),
+                      tls=PeerTLS(*args.peer_tls) if args.peer_tls else None,
+                      nixl=args.peer_nixl)
     extra: dict[str, Any] = {}
-    if args.peer:
-        try:
-            extra["peers"] = frozenset(str(Endpoint.parse(p, where="--peer")) for p in args.peer)
-        except HintRejected as exc:
-            raise ConfigError("peer", args.peer, exc.detail) from None
-    if args.peer_listen or args.peer:
-        extra["peer_listen"] = args.peer_listen
-        extra["peer_secret"] = (PeerSecret.from_file(args.peer_secret_file)
-                                if args.peer_secret_file
-                                else PeerSecret.from_env(args.peer_secret_env))
-    if args.peer_tls:
-        extra["peer_tls"] = PeerTLS(*args.peer_tls)
-    if args.peer_nixl:
-        extra["peer_nixl"] = True
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)
-    return GuardConfig(socket_path=args.socket, runner=runner, metrics_host=args.metrics_host,
-                       metrics_port=args.metrics_port, **extra)
+    server = ServerConfig(socket_path=args.socket, runner=runner, peer=peer, **extra)
+    return GuardConfig(server=server, metrics_host=args.metrics_host,
+                       metrics_port=args.metrics_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,14 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvcr-guard: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.runner.log_level,
+    logging.basicConfig(level=config.server.runner.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvcr_guard.server import GuardServer
+    from kvcr_guard.daemon import GuardDaemon
 
-    server = GuardServer(config)
+    daemon = GuardDaemon(config)
     try:
-        server.listen()
+        daemon.listen()
     except (RuntimeError, OSError) as exc:
         print(f"kvcr-guard: {exc}", file=sys.stderr)
         return 1
-    return server.serve_forever()
+    return daemon.run()

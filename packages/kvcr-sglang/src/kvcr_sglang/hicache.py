@@ -25,8 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from kvcr_guard.embedded import EmbeddedRunner
-from kvcr_guard.engine_settings import Mode
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -37,6 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvcr_core.attach import EmbeddedRunner, Mode
 from kvcr_sglang.hostpool import HostPages
 from kvcr_sglang.pagestore import PageStore
 from kvcr_sglang.settings import BackendSettings, namespace_for
@@ -68,8 +67,8 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         self.pages = pages
         self.store = PageStore(self.settings.socket, spec, pages.geometry.page_bytes,
                                identity=identity, timeout_s=self.settings.timeout_s,
-                               peers=self.settings.peers,
-                               fetch_deadline_s=self.settings.fetch_deadline_s)
+                               peers=self.settings.peer.peers,
+                               fetch_deadline_s=self.settings.peer.fetch_deadline_s)
         log.info("kvcr HiCache backend: %s pages of %d bytes (%s), runner at %s",
                  pages.geometry.layout, pages.geometry.page_bytes, self.settings.mode.value,
                  self.settings.socket.replace("\0", "@"))
@@ -119,10 +118,7 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             runner = dataclasses.replace(runner, namespace_pool_bytes=runner.pool_bytes * 7 // 8)
             log.info("kvcr: side pools %s: KV takes 7/8 of the embedded pool",
                      ", ".join(map(str, side)))
-        self.embedded = EmbeddedRunner(
-            self.settings.socket, runner, peer_listen=self.settings.peer_listen,
-            peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
-            peers=self.settings.peers, peer_nixl=self.settings.peer_nixl)
+        self.embedded = EmbeddedRunner(self.settings, runner=runner)
 
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:

@@ -28,14 +28,13 @@ import threading
 from typing import Any
 
 import torch
-from kvcr_guard.embedded import EmbeddedRunner
-from kvcr_guard.engine_settings import Mode
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     LayerWiseLoadCounter,
     UnifiedCacheLinker,
 )
 
+from kvcr_core.attach import EmbeddedRunner, Mode
 from kvcr_core.keys import NamespaceSpec
 from kvcr_sglang.pagestore import PageStore
 from kvcr_sglang.settings import BackendSettings
@@ -88,14 +87,12 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         spec = self._namespace(kvcache, params, replicated, tp_rank, tp_size)
         self.embedded: EmbeddedRunner | None = None
         if self.settings.mode is Mode.EMBEDDED:
-            self.embedded = EmbeddedRunner(
-                self.settings.socket, self.settings.runner, peer_listen=self.settings.peer_listen,
-                peer_secret=self.settings.peer_secret, peer_tls=self.settings.peer_tls,
-                peers=self.settings.peers, peer_nixl=self.settings.peer_nixl)
+            self.embedded = EmbeddedRunner(self.settings)
         self.store = PageStore(self.settings.socket, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}",
-                               timeout_s=self.settings.timeout_s, peers=self.settings.peers,
-                               fetch_deadline_s=self.settings.fetch_deadline_s)
+                               timeout_s=self.settings.timeout_s,
+                               peers=self.settings.peer.peers,
+                               fetch_deadline_s=self.settings.peer.fetch_deadline_s)
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._pool_view: tuple[int, torch.Tensor] | None = None
         device = kvcache.k_buffer[0].device

@@ -9,7 +9,7 @@ Writes are reserve + copy + commit: a page is visible to any reader only after a
 landed; a failed copy aborts. Reads are acquire + copy + release under a lease, so eviction
 never recycles a slot being read. Every kvcr fault (guard down, refused, protocol) becomes a
 miss or a failed store: SGLang then recomputes, never reads wrong bytes. Thread-safe: SGLang's
-prefetch, I/O and backup threads share one `GuardClient` (its own lock orders requests);
+prefetch, I/O and backup threads share one `AttachClient` (its own lock orders requests);
 copies run outside it (ctypes.memmove releases the GIL).
 """
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
+from kvcr_core.attach import AttachClient, HintedFetcher, RunnerUnavailable, Skipped, hinted_run
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
@@ -107,11 +107,10 @@ class PageStore:
                  identity: str, timeout_s: float, peers: frozenset[str] = frozenset(),
                  fetch_deadline_s: float = 2.0) -> None:
         self.spec = spec
-        self.peers = peers
-        self.fetch_deadline_s = fetch_deadline_s
         self.block_bytes = block_bytes
-        self.client = GuardClient(socket_path, spec, block_bytes, identity=identity,
-                                  timeout_s=timeout_s)
+        self.client = AttachClient(socket_path, spec, block_bytes, identity=identity,
+                                   timeout_s=timeout_s)
+        self.fetcher = HintedFetcher([self.client], peers, fetch_deadline_s)
         self.stats = PageStoreStats()
         self.io = IoSamples()
         self._base_lock = threading.Lock()
@@ -128,9 +127,9 @@ class PageStore:
         keys = [block_key(k) for k in page_keys]
         try:
             hits = self.client.lookup(keys)
-            if hits < len(keys) and self.peers:
+            if hits < len(keys) and self.fetcher.peers:
                 hits = self._fetch_hinted(page_keys, keys, hits)
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("lookup", exc)
             hits = 0
         self.stats.hit_pages += hits
@@ -139,8 +138,8 @@ class PageStore:
 
     def _fetch_hinted(self, page_keys: Sequence[str], keys: list[BlockKey], hits: int) -> int:
         """Pages missed here that a posted hint says a peer holds: the Runner fetches the
-        hinted run right after the local prefix (never across a hole), then looks again.
-        Runs in SGLang's prefetch thread, bounded by `fetch_deadline_s`."""
+        hinted run right after the local prefix (core's `HintedFetcher`), then we look again.
+        Runs in SGLang's prefetch thread, bounded by the fetch deadline."""
         hashes: list[int] = []
         for page_key in page_keys[hits:]:
             h = router_hash(page_key)
@@ -148,31 +147,19 @@ class PageStore:
                 break
             hashes.append(h)
         sources = self.client.hint_sources(hashes) if hashes else []
-        if not sources or sources[0] is None or sources[0] not in self.peers:
-            return hits
-        run = 1
-        while run < len(sources) and sources[run] == sources[0]:
-            run += 1
-        try:
-            ticket = self.client.peer_fetch(sources[0], keys[hits:hits + run],
-                                            self.fetch_deadline_s)
-        except GuardUnavailable as exc:  # e.g. the daemon does not list this peer (--peer)
-            self._fault("hinted_fetch", exc)
+        started = self.fetcher.start([keys], hinted_run(hits, sources))
+        if isinstance(started, Skipped):
+            if started is not Skipped.NO_RUN:  # e.g. kvcr-guard does not list the peer (--peer)
+                self._fault("hinted_fetch", RunnerUnavailable(started.value, "no fetch"))
             return hits
         self.stats.hinted_fetches += 1
-        give_up = time.monotonic() + self.fetch_deadline_s + 1.0
-        while time.monotonic() < give_up:
-            outcome = self.client.peer_poll(ticket)
-            if outcome.done:
-                self.stats.hinted_fetched_pages += outcome.statuses.count("ok")
-                break
-            time.sleep(0.002)
+        self.stats.hinted_fetched_pages += started.wait().fetched
         return self.client.lookup(keys)
 
     def present(self, page_keys: Sequence[str]) -> list[bool]:
         try:
             return self.client.contains([block_key(k) for k in page_keys])
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("contains", exc)
             return [False] * len(page_keys)
 
@@ -193,7 +180,7 @@ class PageStore:
                 if offset is not None:
                     self._copy(base + offset, segments, into_slot=True)
                     granted += 1
-        except (GuardUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
+        except (RunnerUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
             self.abort(op)
             self._fault("store", exc)
             return [False] * n
@@ -215,7 +202,7 @@ class PageStore:
         start = time.perf_counter()
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys])
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("read", exc)
             return [False] * n
         filled = [False] * n
@@ -227,11 +214,11 @@ class PageStore:
                     break
                 self._copy(base + slot * stride, segments, into_slot=False)
                 filled[i] = True
-        except (GuardUnavailable, ValueError) as exc:
+        except (RunnerUnavailable, ValueError) as exc:
             self._fault("read", exc)
             filled = [False] * n
         finally:
-            with contextlib.suppress(GuardUnavailable):  # a dead connection's leases are
+            with contextlib.suppress(RunnerUnavailable):  # a dead connection's leases are
                 self.client.release_nowait(lease.op)  # reclaimed by the daemon
         done = sum(filled)
         self.stats.read_pages += done
@@ -248,7 +235,7 @@ class PageStore:
                 self.client.release_nowait(lease.op)
                 return None
             stride = self.client.pool.stride_bytes
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("read", exc)
             return None
         return lease.op, [int(slot) * stride for slot in lease.slots if slot is not None]
@@ -259,7 +246,7 @@ class PageStore:
         try:
             res = self.client.reserve([block_key(k) for k in page_keys])
             stride = self.client.pool.stride_bytes
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("store", exc)
             return None
         return res.op, [None if s is None else int(s) * stride for s in res.slots], res.refused
@@ -267,19 +254,19 @@ class PageStore:
     def commit(self, op: int, granted: int) -> bool:
         try:
             published = self.client.commit(OpId(op))
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("store", exc)
             return False
         self.stats.stored_pages += published
         return published == granted
 
     def abort(self, op: int) -> None:
-        with contextlib.suppress(GuardUnavailable):
+        with contextlib.suppress(RunnerUnavailable):
             self.client.abort(OpId(op))
 
     def unlease(self, op: int, pages: int) -> None:
         self.stats.read_pages += pages
-        with contextlib.suppress(GuardUnavailable):
+        with contextlib.suppress(RunnerUnavailable):
             self.client.release_nowait(OpId(op))
 
     def _copy(self, slot_address: int, segments: Segments, *, into_slot: bool) -> None:
@@ -291,7 +278,7 @@ class PageStore:
 
     def _pool_address(self) -> int:
         """The mapped pool's base address, refreshed after a re-attach."""
-        pool = self.client.pool  # attaches if needed; GuardUnavailable if it cannot
+        pool = self.client.pool  # attaches if needed; RunnerUnavailable if it cannot
         with self._base_lock:
             count = self.client.attach_count
             if self._base is None or self._base[0] != count:
@@ -309,7 +296,7 @@ class PageStore:
         """Drops this namespace's pages (SGLang's `clear`); 0 when kvcr is unavailable."""
         try:
             return self.client.clear()
-        except GuardUnavailable as exc:
+        except RunnerUnavailable as exc:
             self._fault("clear", exc)
             return 0
 

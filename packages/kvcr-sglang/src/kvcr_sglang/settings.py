@@ -14,8 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvcr_guard.engine_settings import ENGINE_KEYS, EngineSettings, parse_engine_keys
-
+from kvcr_core.attach import ENGINE_KEYS, EngineSettings, reject_unknown
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec
 
@@ -36,11 +35,7 @@ class BackendSettings(EngineSettings):
                           field: str = "hicache_storage_backend_extra_config",
                           ) -> BackendSettings:
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - ENGINE_KEYS - SGLANG_KEYS - OWN_KEYS)
-        if unknown:
-            raise ConfigError(f"{field}.{unknown[0]}", extra[unknown[0]],
-                              "unknown key; kvcr accepts "
-                              f"{', '.join(sorted(ENGINE_KEYS | OWN_KEYS))}")
+        reject_unknown(extra, field, ENGINE_KEYS | OWN_KEYS, ignored=SGLANG_KEYS)
         own: dict[str, Any] = {}
         for name in OWN_KEYS:
             value = extra.get(name, "")
@@ -48,8 +43,8 @@ class BackendSettings(EngineSettings):
                 raise ConfigError(f"{field}.{name}", value, "give a string")
             own[name] = value
         # One embedded Runner per SGLang process (TP ranks are processes).
-        common = parse_engine_keys(extra, field=field,
-                                   default_socket=f"\0kvcr-sglang-{os.getpid()}")
+        common = cls.fields_from(extra, field=field,
+                                 default_socket=f"\0kvcr-sglang-{os.getpid()}")
         return cls(**common, **own)
 
 

@@ -13,7 +13,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import vllm
-from kvcr_guard.engine_settings import Mode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CacheHitSource,
     KVConnectorBase_V1,
@@ -21,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcr_core.attach import Mode
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
@@ -80,16 +80,13 @@ class KVCRConnector(KVConnectorBase_V1):
                          "fail a request)")
                 transfer.kv_load_failure_policy = "recompute"
             if self.settings.mode is Mode.EMBEDDED:
-                from kvcr_guard.embedded import EmbeddedRunner
+                from kvcr_core.attach import EmbeddedRunner
 
-                self._embedded = EmbeddedRunner(self.settings.socket, self.settings.runner,
-                                                peer_listen=self.settings.peer_listen,
-                                                peer_secret=self.settings.peer_secret,
-                                                peer_tls=self.settings.peer_tls,
-                                                peer_nixl=self.settings.peer_nixl)
+                self._embedded = EmbeddedRunner(self.settings)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
-            self._scheduler = KVCRConnectorScheduler(self.settings, specs, block_bytes,
-                                                     self.stats, engine_id, self._embedded)
+            self._scheduler = KVCRConnectorScheduler(
+                self.settings, specs, block_bytes, self.stats, engine_id,
+                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -15,10 +15,10 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
 - Hints: a `kv_hint` naming an allowed peer (`peers`) makes the scheduler fetch the hinted
-  blocks that extend kvcr's local prefix into the pool (embedded: the engine's own Runner
-  fetches; guarded: kvcr-guard does, asked by ticket), answering "ask again" (None) until
-  the fetch ends, which it does by `fetch_deadline_s`; then the normal lookup and load
-  follow. A hint naming any other endpoint is refused and counted.
+  blocks that extend kvcr's local prefix into every rank's namespace (core's
+  `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
+  again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
+  lookup and load follow. A hint naming any other endpoint is refused and counted.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -28,21 +28,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcr_core.errors import UnknownNamespaceError
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
-from kvcr_core.hints import HintIntake, HintLimits, KVHint
+from kvcr_core.attach import (
+    AttachClient,
+    HintedFetch,
+    HintedFetcher,
+    RunnerUnavailable,
+    Skipped,
+    hinted_run,
+)
+from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
-from kvcr_core.peers import FetchResult, FetchStatus, PeerClient
-from kvcr_core.peers.client import FetchHandle
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
-    from kvcr_guard.embedded import EmbeddedRunner
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -61,30 +65,11 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
     loading_ops: list[OpId] | None = None  # leases per rank while a load runs
     loaded_tokens: int = 0
-    fetch: FetchHandle | _GuardFetch | None = None  # a hinted peer fetch in flight
+    fetch: HintedFetch | None = None  # a hinted peer fetch in flight
     hint_done: bool = False
     block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
     finished: bool = False
-
-
-class _GuardFetch:
-    """A fetch the kvcr-guard daemon runs for us, polled like a local FetchHandle."""
-
-    def __init__(self, client: GuardClient, ticket: int, n_keys: int, deadline_s: float):
-        self.client, self.ticket, self.n_keys = client, ticket, n_keys
-        self.give_up = time.monotonic() + deadline_s + 1.0
-
-    def poll(self) -> FetchResult | None:
-        try:
-            outcome = self.client.peer_poll(self.ticket)
-        except GuardUnavailable:
-            return FetchResult((FetchStatus.UNREACHABLE,) * self.n_keys, 0, "kvcr-guard lost")
-        if outcome.done:
-            return FetchResult(tuple(FetchStatus(s) for s in outcome.statuses), 0)
-        if time.monotonic() > self.give_up:
-            return FetchResult((FetchStatus.TIMEOUT,) * self.n_keys, 0, "no answer in time")
-        return None
 
 
 def bypass_reason(request: Request) -> str | None:
@@ -102,23 +87,29 @@ def bypass_reason(request: Request) -> str | None:
 
 class KVCRConnectorScheduler:
     def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
-                 block_bytes: int, stats: StatsRecorder, engine_id: str,
-                 embedded: EmbeddedRunner | None = None) -> None:
+                 block_bytes: int, stats: StatsRecorder, engine_id: str, *,
+                 peer_endpoint: str | None = None,
+                 clients: Sequence[AttachClient] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """One attach client per TP rank's namespace (`clients`: given by tests); the
+        embedded Runner's `peer_endpoint` is reported in each finished request's params."""
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
         self.stats = stats
         identity = settings.identity or f"vllm-scheduler-{engine_id[:12]}"
-        self.clients = [GuardClient(settings.socket, spec, block_bytes, identity=identity,
-                                    timeout_s=settings.timeout_s) for spec in specs]
+        self.clients = list(clients) if clients is not None else [
+            AttachClient(settings.socket, spec, block_bytes, identity=identity,
+                         timeout_s=settings.timeout_s) for spec in specs]
+        self.fetcher = HintedFetcher(self.clients, settings.peer.peers,
+                                     settings.peer.fetch_deadline_s, clock=clock)
+        self.peer_endpoint = peer_endpoint
         runner = settings.runner
         self.hints = HintIntake(stats, HintLimits(max_actions=runner.max_hint_actions,
                                                   max_hashes=runner.max_hint_hashes,
                                                   max_bytes=runner.max_hint_bytes))
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
-        self._embedded = embedded
-        self._peer_client: PeerClient | None = None
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -170,7 +161,7 @@ class KVCRConnectorScheduler:
         keys = self._keys(state, n_blocks)
         try:
             hit = min(c.lookup(k) for c, k in zip(self.clients, keys, strict=True))
-        except GuardUnavailable:
+        except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             return 0, False
         self.stats.add("lookups")
@@ -189,55 +180,34 @@ class KVCRConnectorScheduler:
                 state.hint_done = True
                 return False
             return True
-        result = state.fetch.poll()
-        if result is None:
+        summary = state.fetch.poll()
+        if summary is None:
             return True
         state.hint_done = True
-        self.stats.add("peer_fetched_blocks", result.fetched)
-        if result.fetched < len(result.statuses):
-            self.stats.failure("peer_fetch", len(result.statuses) - result.fetched)
+        self.stats.add("peer_fetched_blocks", summary.fetched)
+        if summary.failed:
+            self.stats.failure("peer_fetch", summary.failed)
         return False
 
-    def _start_fetch(self, state: _RequestState) -> FetchHandle | _GuardFetch | None:
+    def _start_fetch(self, state: _RequestState) -> HintedFetch | None:
         assert state.hint is not None
-        allowed = [f for f in state.hint.fetches if f.source_endpoint in self.settings.peers]
+        allowed = [f for f in state.hint.fetches if f.source_endpoint in self.fetcher.peers]
         if not allowed:
             if state.hint.fetches:
                 self.stats.failure("peer_not_allowed")
             return None
-        action = allowed[0]
-        n_blocks = state.request.num_tokens // self.block_size
-        keys = self._keys(state, n_blocks)[0]
+        keys = self._keys(state, state.request.num_tokens // self.block_size)
         try:
-            have = self.clients[0].lookup(keys)  # (also opens the namespace on first use)
-        except GuardUnavailable:
+            have = self.fetcher.local_prefix(keys)  # (also opens the namespaces on first use)
+        except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             return None
-        client = self._peer()
-        if client is None:
-            self.stats.failure("peer_fetch")
-            return None
-        end = have
-        while end < len(keys) and router_hash_kvcr_v1(keys[end]) in action.block_hashes:
-            end += 1  # the hinted run that extends the local prefix, never across a hole
-        if end == have:
-            return None
-        return client.fetch_async(action.source_endpoint, keys[have:end],
-                                  self.settings.fetch_deadline_s)
-
-    def _peer(self) -> PeerClient | None:
-        """Fetches land in the embedded Runner's pool (single TP rank)."""
-        if self._peer_client is None and self._embedded is not None and len(self.specs) == 1:
-            server = self._embedded.server
-            try:
-                store = server.runner.namespace(self.specs[0].digest())
-            except UnknownNamespaceError:
-                return None
-            assert self.settings.peer_secret is not None
-            self._peer_client = PeerClient(store, self.settings.peer_secret,
-                                           server.peer_metrics, tls=self.settings.peer_tls,
-                                           nixl=self.settings.peer_nixl)
-        return self._peer_client
+        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], keys[0][have:])))
+        if started is Skipped.NOT_ALLOWED:
+            self.stats.failure("peer_not_allowed")
+        elif started is Skipped.UNAVAILABLE:
+            self.stats.failure("guard_unavailable")
+        return None if isinstance(started, Skipped) else started
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -256,7 +226,7 @@ class KVCRConnectorScheduler:
                 lease = client.acquire(rank_keys)
                 ops.append(lease.op)
                 slots.append(lease.slots)
-        except GuardUnavailable:
+        except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             self._release_all(ops)
             ops, slots = [], [(None,) * count for _ in self.clients]
@@ -328,8 +298,8 @@ class KVCRConnectorScheduler:
             return False, None
         params: dict[str, Any] = {"kvcr_loaded_tokens": state.loaded_tokens,
                                   "kvcr_saved_blocks": state.planned_blocks}
-        if self._embedded is not None and self._embedded.server.peer_server is not None:
-            params["kvcr_peer_endpoint"] = self._embedded.server.peer_server.endpoint
+        if self.peer_endpoint is not None:
+            params["kvcr_peer_endpoint"] = self.peer_endpoint
         if state.loading_ops is not None:
             # Finished (aborted) while its load runs: vLLM frees the blocks once the workers
             # report the load, and the leases are released then.
@@ -343,12 +313,20 @@ class KVCRConnectorScheduler:
         for client, op in zip(self.clients, ops, strict=False):
             try:
                 client.release_nowait(op)
-            except GuardUnavailable:
+            except RunnerUnavailable:
                 self.stats.failure("guard_unavailable")
 
     def shutdown(self) -> None:
-        if self._peer_client is not None:  # before the embedded pool goes: fetches land there
-            self._peer_client.close()
-            self._peer_client = None
         for client in self.clients:
             client.close()
+
+
+def _sources(action: FetchAction, keys: Sequence[BlockKey]) -> list[str | None]:
+    """The hinted source of each block of `keys`, up to the first one the hint leaves out."""
+    hinted = action.block_hashes
+    sources: list[str | None] = []
+    for key in keys:
+        if router_hash_kvcr_v1(key) not in hinted:
+            break
+        sources.append(action.source_endpoint)
+    return sources

@@ -10,13 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvcr_guard.engine_settings import (
-    ENGINE_KEYS,
-    EngineSettings,
-    parse_engine_keys,
-    reject_unknown,
-)
-
+from kvcr_core.attach import ENGINE_KEYS, EngineSettings, reject_unknown
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec
 
@@ -37,8 +31,8 @@ class ConnectorSettings(EngineSettings):
     def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str) -> ConnectorSettings:
         field = "kv_connector_extra_config"
         reject_unknown(extra, field, ENGINE_KEYS | {"load", "save"})
-        common = parse_engine_keys(extra, field=field,
-                                   default_socket=f"\0kvcr-embedded-{engine_id[:36]}")
+        common = cls.fields_from(extra, field=field,
+                                 default_socket=f"\0kvcr-embedded-{engine_id[:36]}")
         flags = {}
         for name in ("load", "save"):
             value = extra.get(name, True)

@@ -23,8 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvcr_core.guard_client import GuardClient, GuardUnavailable
-from kvcr_core.guard_client.client import Pending
+from kvcr_core.attach import AttachClient, Pending, RunnerUnavailable
 from kvcr_core.index import Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
@@ -59,7 +58,7 @@ class KVCRConnectorWorker:
         self.num_blocks = num_blocks
         self.stats = stats
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
-        self.client = GuardClient(settings.socket, spec, block_bytes, identity=identity,
+        self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
                                   timeout_s=settings.timeout_s)
         self._planes: list[tuple[torch.Tensor, int, int]] = []  # (bytes [blocks, page], off, n)
         self._pool_rows: torch.Tensor | None = None
@@ -109,7 +108,7 @@ class KVCRConnectorWorker:
     def _pool(self) -> torch.Tensor:
         import torch
 
-        pool = self.client.pool  # attaches (or re-attaches) as needed; GuardUnavailable if not
+        pool = self.client.pool  # attaches (or re-attaches) as needed; RunnerUnavailable if not
         if self._pool_rows is None or self._pool_attach != self.client.attach_count:
             rows = torch.frombuffer(pool.region.view, dtype=torch.uint8)
             self._pool_rows = rows[:pool.capacity_slots * pool.stride_bytes].view(
@@ -135,7 +134,7 @@ class KVCRConnectorWorker:
             try:
                 self._ready()
                 pending.append((plan, self.client.reserve_async(plan.keys_by_rank[self.tp_rank])))
-            except (GuardUnavailable, RuntimeError) as exc:
+            except (RunnerUnavailable, RuntimeError) as exc:
                 self._save_failed(plan, exc)
                 pending.append((plan, None))
         for plan, reservation in pending:
@@ -151,7 +150,7 @@ class KVCRConnectorWorker:
         return errors
 
     def shutdown(self) -> None:
-        with contextlib.suppress(GuardUnavailable):
+        with contextlib.suppress(RunnerUnavailable):
             if self.client.attached:
                 self.client.flush()  # the last commits/releases reach the Runner
         self.client.close()
@@ -171,7 +170,7 @@ class KVCRConnectorWorker:
             for block, slot, length in runs(plan.block_ids, slots):
                 for plane, off, page in self._planes:
                     plane[block:block + length].copy_(rows[slot:slot + length, off:off + page])
-        except GuardUnavailable:
+        except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             self._load_errors.update(plan.block_ids)
         except Exception:
@@ -204,11 +203,11 @@ class KVCRConnectorWorker:
         except Exception as exc:
             self._save_failed(plan, exc)
             if res is not None:
-                with contextlib.suppress(GuardUnavailable):
+                with contextlib.suppress(RunnerUnavailable):
                     self.client.abort(res.op)
 
     def _save_failed(self, plan: SavePlan, exc: BaseException) -> None:
-        if isinstance(exc, GuardUnavailable):
+        if isinstance(exc, RunnerUnavailable):
             self.stats.failure("guard_unavailable")
         elif not self._disabled:
             log.error("kvcr save of %s failed (%s); nothing was published", plan.req_id, exc)

@@ -24,6 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvcr_core.attach import AttachClient
+from kvcr_core.attach import protocol as p
 from kvcr_core.cli.bench_copy import (
     BATCH,
     BLOCK_SIZES,
@@ -32,8 +34,6 @@ from kvcr_core.cli.bench_copy import (
     min_ratio_256k,
     report,
 )
-from kvcr_core.guard_client import GuardClient
-from kvcr_core.guard_client import protocol as p
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import SlotPool
 from kvcr_core.testing import pattern_block, random_keys
@@ -82,7 +82,7 @@ def _copy_rows(total: int, reps: int, bar: tqdm) -> list[dict[str, Any]]:
     rows = []
     with _daemon(sum(per_ns.values()), max(per_ns.values())) as path:
         for block_bytes in BLOCK_SIZES:
-            client = GuardClient(path, _spec(block_bytes), block_bytes, identity="bench")
+            client = AttachClient(path, _spec(block_bytes), block_bytes, identity="bench")
             client.attach()
             client.pool.region.prefault()
             rows.append(measure_copy(client, block_bytes, total, reps))
@@ -96,7 +96,7 @@ def _copy_rows(total: int, reps: int, bar: tqdm) -> list[dict[str, Any]]:
 
 def _roundtrip_us(iterations: int) -> tuple[float, float]:
     with _daemon(64 * MIB, 64 * MIB) as path:
-        client = GuardClient(path, _spec(4096), 4096, identity="bench")
+        client = AttachClient(path, _spec(4096), 4096, identity="bench")
         keys = random_keys(BATCH, seed=5)
         client.store(keys, [pattern_block(k, 4096) for k in keys])
         ops = [p.Lookup(list(keys))]
@@ -114,7 +114,7 @@ def _attach_s(pool_bytes: int) -> tuple[float, float]:
     with _daemon(pool_bytes, pool_bytes) as path:
         times = []
         for _ in range(2):  # first: the daemon creates the namespace's memfd; then map only
-            client = GuardClient(path, _spec(2 * MIB), 2 * MIB, identity="bench")
+            client = AttachClient(path, _spec(2 * MIB), 2 * MIB, identity="bench")
             start = time.perf_counter()
             client.attach()
             times.append(time.perf_counter() - start)

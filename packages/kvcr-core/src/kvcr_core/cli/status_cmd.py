@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from kvcr_core.guard_client import protocol as p
+from kvcr_core.attach import protocol as p
 
 
 def fetch_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -18,7 +18,7 @@ def fetch_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
         sock.connect(socket_path)
         sock.sendall(p.encode_frame(p.Probe(p.PROTOCOL_VERSION)))
         payload, _ = p.recv_frame(sock)
-    message = p.decode_daemon(payload)
+    message = p.decode_server(payload)
     if isinstance(message, p.Goodbye):
         raise ConnectionError(f"refused ({message.reason}): {message.detail}")
     if not isinstance(message, p.StatusReport):

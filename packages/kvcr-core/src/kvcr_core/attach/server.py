@@ -1,8 +1,10 @@
-"""`GuardServer`: the daemon's event loop over the attach socket.
+"""`AttachServer`: serves one Runner to attached engines over a Unix socket (the attach
+protocol, kvcr_core.attach.protocol). kvcr-guard hosts it in a daemon; embedded mode in the
+engine process, on a thread of its own.
 
 One thread runs everything: a `selectors` loop over the listening socket, every client
 connection, every client's pidfd and a wake-up pipe. Index operations take microseconds, so
-serving them inline is faster than handing them to workers, and it makes the daemon's state
+serving them inline is faster than handing them to workers, and it makes the server's state
 single-owner. The loop blocks in `select` when idle (no polling, no spinning).
 
 Liveness: a client is gone at socket EOF, or when its pidfd (from the kernel's peer
@@ -10,9 +12,9 @@ credentials, not the pid the client claims) says the process exited, even if a f
 still holds the socket. Either way its session is closed: FILLING blocks aborted, leases
 released, READY blocks kept.
 
-Shutdown (SIGTERM/SIGINT or `request_shutdown()`): stop accepting, serve the frames already
-received, tell every client Goodbye("shutdown"), close, remove the socket file, return 0.
-The pool is memfd memory: it disappears with the daemon and the last client mapping.
+Shutdown (`request_shutdown()`, thread- and signal-safe): stop accepting, serve the frames
+already received, tell every client Goodbye("shutdown"), close, remove the socket file, return
+0. The pool is memfd memory: it disappears with its host and the last client mapping.
 """
 
 from __future__ import annotations
@@ -22,26 +24,25 @@ import json
 import logging
 import os
 import selectors
-import signal
 import socket
 import struct
 import threading
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from kvcr_core.guard_client import protocol as p
-from kvcr_core.guard_client.protocol import CloseReason
+from kvcr_core._version import __version__
+from kvcr_core.attach import protocol as p
+from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.metrics import AttachMetrics
+from kvcr_core.attach.protocol import CloseReason
+from kvcr_core.attach.session import ClientSession, SessionClosed
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import OwnerId
-from kvcr_guard._version import __version__
-from kvcr_guard.config import GuardConfig
-from kvcr_guard.metrics import GuardMetrics
-from kvcr_guard.session import ClientSession, SessionClosed
 
-log = logging.getLogger("kvcr_guard")
+log = logging.getLogger("kvcr_core.attach")
 
 _RECV_BYTES = 256 * 1024
 _UCRED = struct.Struct("3i")
@@ -59,14 +60,14 @@ class _Conn:
         self.counted = False  # attach seen by the loop (pidfd watched, gauge updated)
 
 
-class GuardServer:
+class AttachServer:
     """Serves one Runner to attached engines until shut down."""
 
-    def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None):
+    def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
-        self.metrics = GuardMetrics(self.registry)
+        self.metrics = AttachMetrics(self.registry)
         self.peer_metrics = PeerMetrics(self.registry)
         self.peer_server: PeerServer | None = None
         self._peer_clients: dict[bytes, PeerClient] = {}
@@ -77,7 +78,6 @@ class GuardServer:
         self._stopping = threading.Event()
         self._next_owner = 1
         self._started = time.monotonic()
-        self.metrics_port: int | None = None
         # One receive buffer for all connections: a fresh 256 KiB bytes per recv would be an
         # mmap/munmap pair (and page faults) per request.
         self._recv_buf = bytearray(_RECV_BYTES)
@@ -86,7 +86,7 @@ class GuardServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def listen(self) -> None:
-        """Binds the socket (0600), refusing to steal it from a live daemon."""
+        """Binds the socket (0600), refusing to steal it from a live server."""
         path = self.config.socket_path
         if self.config.abstract:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -94,7 +94,7 @@ class GuardServer:
                 sock.bind(path)
             except OSError:
                 sock.close()
-                raise RuntimeError(f"another kvcr-guard is serving {path!r}") from None
+                raise RuntimeError(f"another kvcr runner is serving {path!r}") from None
             self._serve_on(sock)
             return
         if os.path.exists(path):
@@ -102,10 +102,10 @@ class GuardServer:
             try:
                 probe.connect(path)
             except OSError:
-                os.unlink(path)  # stale: its daemon is gone
+                os.unlink(path)  # stale: its server is gone
             else:
-                raise RuntimeError(f"another kvcr-guard is serving {path}; stop it first or "
-                                   "choose another --socket")
+                raise RuntimeError(f"another kvcr runner is serving {path}; stop it first or "
+                                   "choose another socket")
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -124,32 +124,26 @@ class GuardServer:
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        if self.config.peer_listen:
-            host, _, port = self.config.peer_listen.rpartition(":")
-            assert self.config.peer_secret is not None
-            self.peer_server = PeerServer(self.runner, self.config.peer_secret,
-                                          self.peer_metrics, host=host.strip("[]"),
-                                          port=int(port), tls=self.config.peer_tls,
-                                          nixl=self.config.peer_nixl)
-            log.info("kvcr-guard serving peers on %s", self.peer_server.endpoint)
-        if self.config.metrics_port is not None:
-            server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
-                                          registry=self.registry)
-            self.metrics_port = server.server_address[1]
-        log.info("kvcr-guard %s serving %s (pool %d bytes, metrics %s)", __version__, path,
-                 self.config.runner.pool_bytes,
-                 f"{self.config.metrics_host}:{self.metrics_port}" if self.metrics_port
-                 else "off")
+        peer = self.config.peer
+        if peer.listen:
+            host, _, port = peer.listen.rpartition(":")
+            assert peer.secret is not None
+            self.peer_server = PeerServer(self.runner, peer.secret, self.peer_metrics,
+                                          host=host.strip("[]"), port=int(port), tls=peer.tls,
+                                          nixl=peer.nixl)
+            log.info("kvcr serving peers on %s", self.peer_server.endpoint)
+        log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
+                 self.config.runner.pool_bytes)
 
     def _peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
-        """The daemon's fetcher for a namespace, if `endpoint` is one of its peers."""
-        if endpoint not in self.config.peers or self.config.peer_secret is None:
+        """The Runner's fetcher for a namespace, if `endpoint` is one of its peers."""
+        peer = self.config.peer
+        if endpoint not in peer.peers or peer.secret is None:
             return None
         client = self._peer_clients.get(store.digest)
         if client is None:
             client = self._peer_clients[store.digest] = PeerClient(
-                store, self.config.peer_secret, self.peer_metrics, tls=self.config.peer_tls,
-                nixl=self.config.peer_nixl)
+                store, peer.secret, self.peer_metrics, tls=peer.tls, nixl=peer.nixl)
         return client
 
     def request_shutdown(self) -> None:
@@ -161,9 +155,6 @@ class GuardServer:
     def serve_forever(self) -> int:
         if self._listener is None:
             self.listen()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.request_shutdown())
         while not self._stopping.is_set():
             for key, events in self._sel.select():
                 self._dispatch(key, events)
@@ -203,7 +194,7 @@ class GuardServer:
         owner = OwnerId(self._next_owner)
         self._next_owner += 1
         conn = _Conn(sock, ClientSession(owner, pid, self.runner, self.metrics, self._status,
-                                         self._peer_client if self.config.peers else None))
+                                         self._peer_client if self.config.peer.peers else None))
         self._conns[sock.fileno()] = conn
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, sock.fileno())
@@ -325,7 +316,7 @@ class GuardServer:
                 aborted, released)
 
     def _shutdown(self) -> None:
-        log.info("kvcr-guard shutting down: refusing new work, closing %d clients",
+        log.info("kvcr runner shutting down: refusing new work, closing %d clients",
                  len(self._conns))
         if self._listener is not None:
             self._sel.unregister(self._listener)
@@ -339,7 +330,7 @@ class GuardServer:
                 conn.sock.setblocking(True)
                 conn.sock.settimeout(1.0)
                 self._read_pending(conn)
-            self._refuse(conn, CloseReason.SHUTDOWN, "kvcr-guard is stopping")
+            self._refuse(conn, CloseReason.SHUTDOWN, "the kvcr runner is stopping")
         if self.peer_server is not None:
             self.peer_server.close()
         for client in self._peer_clients.values():

@@ -1,14 +1,15 @@
-"""`GuardClient`: an engine's attachment to a kvcr-guard daemon.
+"""`AttachClient`: an engine's attachment to its Runner's attach server (in kvcr-guard, or
+embedded in the engine).
 
 Attach = connect to the Unix socket, send `Hello` (namespace, block size, identity, pid),
 receive `Welcome` and the pool memfd (SCM_RIGHTS), map it. After that the client copies KV
 bytes straight into and out of pool slots; only keys, slot numbers and op ids cross the
 socket, batched so one engine step costs one round trip (`batch`).
 
-Failure model (fail open): any socket error, timeout or refusal raises `GuardUnavailable`
+Failure model (fail open): any socket error, timeout or refusal raises `RunnerUnavailable`
 and detaches; the caller recomputes instead of using the cache. The next call re-attaches,
 no sooner than an exponential backoff (50 ms doubling to 5 s) after the last failure, so a
-dead daemon costs nothing per request. A re-attached daemon may be a new one (cold) or the
+dead server costs nothing per request. A re-attached server may be a new one (cold) or the
 same one after our own restart (warm: its READY blocks are all there).
 
 Threading: every public method is thread-safe (one lock around each round trip). The
@@ -28,9 +29,9 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from kvcr_core.attach import protocol as p
 from kvcr_core.blockcopy import load_blocks, store_blocks
 from kvcr_core.errors import KVCRError
-from kvcr_core.guard_client import protocol as p
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, SlotPool
@@ -41,21 +42,21 @@ _BACKOFF_MAX_S = 5.0
 _MAX_IN_FLIGHT = 32
 
 
-class GuardUnavailable(KVCRError):
-    """The daemon cannot be reached or refused us: carry on without the cache."""
+class RunnerUnavailable(KVCRError):
+    """The Runner cannot be reached or refused us: carry on without the cache."""
 
     def __init__(self, reason: str, detail: str) -> None:
         self.reason = reason
         self.detail = detail
-        super().__init__(f"kvcr-guard unavailable ({reason}): {detail}")
+        super().__init__(f"kvcr runner unavailable ({reason}): {detail}")
 
 
 def _single(results: list[p.Result]) -> p.Slots:
     result = results[0]
     if isinstance(result, p.Refused):
-        raise GuardUnavailable(result.reason, result.detail)
+        raise RunnerUnavailable(result.reason, result.detail)
     if not isinstance(result, p.Slots):
-        raise GuardUnavailable("protocol", f"expected slots, got {type(result).__name__}")
+        raise RunnerUnavailable("protocol", f"expected slots, got {type(result).__name__}")
     return result
 
 
@@ -81,12 +82,12 @@ T = TypeVar("T")
 
 class Pending(Generic[T]):
     """Handle of a request in flight. `result()` waits for (and converts) its reply; it
-    raises GuardUnavailable if the connection failed meanwhile, or after the client's
+    raises RunnerUnavailable if the connection failed meanwhile, or after the client's
     `timeout_s` without an answer."""
 
     __slots__ = ("_client", "_convert", "_value", "seq")
 
-    def __init__(self, client: GuardClient, seq: int,
+    def __init__(self, client: AttachClient, seq: int,
                  convert: Callable[[list[p.Result]], T]) -> None:
         self._client = client
         self._convert = convert
@@ -103,8 +104,8 @@ def _slots(values: list[int]) -> tuple[SlotId | None, ...]:
     return tuple(None if v == p.NO_SLOT else SlotId(v) for v in values)
 
 
-class GuardClient:
-    """One namespace's view of a kvcr-guard pool, through one Unix socket connection."""
+class AttachClient:
+    """One namespace's view of a Runner's pool, through one Unix socket connection."""
 
     def __init__(self, socket_path: str, namespace: NamespaceSpec, block_bytes: int, *,
                  identity: str = "", timeout_s: float = 2.0) -> None:
@@ -144,7 +145,7 @@ class GuardClient:
         return self.attachment.pool
 
     def attach(self) -> Attachment:
-        """Attaches now, ignoring the backoff (raises GuardUnavailable on failure)."""
+        """Attaches now, ignoring the backoff (raises RunnerUnavailable on failure)."""
         with self._lock:
             self._next_attempt = 0.0
             self._ensure_attached()
@@ -153,20 +154,20 @@ class GuardClient:
 
     def _ensure_attached(self) -> None:
         if self._closed:
-            raise GuardUnavailable("closed", "the client was closed by its owner")
+            raise RunnerUnavailable("closed", "the client was closed by its owner")
         if self._sock is not None:
             return
         now = time.monotonic()
         if now < self._next_attempt:
-            raise GuardUnavailable("backoff", f"retrying in {self._next_attempt - now:.2f} s")
+            raise RunnerUnavailable("backoff", f"retrying in {self._next_attempt - now:.2f} s")
         try:
             self._connect()
-        except GuardUnavailable:
+        except RunnerUnavailable:
             self._fail()
             raise
         except (OSError, msgspec.MsgspecError, ValueError) as exc:
             self._fail()
-            raise GuardUnavailable("attach_failed", str(exc)) from None
+            raise RunnerUnavailable("attach_failed", str(exc)) from None
         self._backoff_s = 0.0
 
     def _connect(self) -> None:
@@ -179,9 +180,9 @@ class GuardClient:
             sock.sendall(p.encode_frame(hello))
             message, fds = self._read_frame(sock, with_fds=True)
             if isinstance(message, p.Goodbye):
-                raise GuardUnavailable(message.reason, message.detail)
+                raise RunnerUnavailable(message.reason, message.detail)
             if not isinstance(message, p.Welcome) or len(fds) != 1:
-                raise GuardUnavailable("protocol", f"expected Welcome with one fd, got {message}")
+                raise RunnerUnavailable("protocol", f"expected Welcome with one fd, got {message}")
         except BaseException:
             sock.close()
             raise
@@ -191,7 +192,7 @@ class GuardClient:
                 pool.capacity_slots != message.capacity_slots:
             region.close()
             sock.close()
-            raise GuardUnavailable("protocol", "pool geometry disagrees with the daemon's")
+            raise RunnerUnavailable("protocol", "pool geometry disagrees with the server's")
         self._sock = sock
         self._attachment = Attachment(OwnerId(message.owner),
                                       NamespaceDigest(message.namespace_digest), pool)
@@ -203,10 +204,10 @@ class GuardClient:
         try:
             payload, fds = p.recv_frame(sock, max_fds=4 if with_fds else 0)
         except ConnectionError as exc:
-            raise GuardUnavailable("disconnected", str(exc)) from None
+            raise RunnerUnavailable("disconnected", str(exc)) from None
         except p.FrameError as exc:
-            raise GuardUnavailable("protocol", str(exc)) from None
-        return p.decode_daemon(payload), fds
+            raise RunnerUnavailable("protocol", str(exc)) from None
+        return p.decode_server(payload), fds
 
     def _fail(self) -> None:
         self._owed.clear()
@@ -221,13 +222,13 @@ class GuardClient:
     # -- operations --------------------------------------------------------------------------
 
     def batch(self, ops: Sequence[p.Op]) -> list[p.Result]:
-        """Runs `ops` in one round trip; results in order. Raises GuardUnavailable, or
+        """Runs `ops` in one round trip; results in order. Raises RunnerUnavailable, or
         ValueError for a batch over the protocol's bounds (a caller bug: split it)."""
         return self.submit(ops).result()
 
     def submit(self, ops: Sequence[p.Op]) -> Pending[list[p.Result]]:
         """Sends `ops` now; the returned handle's `result()` waits for their reply. Several
-        requests may be in flight: the daemon answers a connection's frames in order."""
+        requests may be in flight: the server answers a connection's frames in order."""
         with self._lock:
             seq = self._send(ops)
         return Pending(self, seq, lambda results: results)
@@ -259,7 +260,7 @@ class GuardClient:
             self._sock.sendall(p.encode_frame(p.Request(self._seq, list(ops))))
         except OSError as exc:
             self._fail()
-            raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+            raise RunnerUnavailable("disconnected", str(exc) or type(exc).__name__) from None
         self._owed[self._seq] = len(ops)
         return self._seq
 
@@ -270,8 +271,8 @@ class GuardClient:
                 if results is not None:
                     return results
                 if seq not in self._owed:
-                    raise GuardUnavailable("disconnected", "the request was lost with the "
-                                           "connection to the daemon")
+                    raise RunnerUnavailable("disconnected", "the request was lost with the "
+                                           "connection to the runner")
                 self._read_one()
 
     def _read_one(self) -> None:
@@ -281,16 +282,16 @@ class GuardClient:
         try:
             reply, _ = self._read_frame(sock)
             if isinstance(reply, p.Goodbye):
-                raise GuardUnavailable(reply.reason, reply.detail)
+                raise RunnerUnavailable(reply.reason, reply.detail)
             if not isinstance(reply, p.Reply) or self._owed.pop(reply.seq, -1) != len(
                     reply.results):
-                raise GuardUnavailable("protocol", "a reply that matches no request")
-        except GuardUnavailable:
+                raise RunnerUnavailable("protocol", "a reply that matches no request")
+        except RunnerUnavailable:
             self._fail()
             raise
         except (OSError, msgspec.MsgspecError) as exc:
             self._fail()
-            raise GuardUnavailable("disconnected", str(exc) or type(exc).__name__) from None
+            raise RunnerUnavailable("disconnected", str(exc) or type(exc).__name__) from None
         committed = self._deferred.pop(reply.seq, None)
         if committed is None:
             self._arrived[reply.seq] = reply.results
@@ -302,7 +303,7 @@ class GuardClient:
     def _one(self, op: p.Op) -> p.Result:
         result = self.batch([op])[0]
         if isinstance(result, p.Refused):
-            raise GuardUnavailable(result.reason, result.detail)
+            raise RunnerUnavailable(result.reason, result.detail)
         return result
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
@@ -362,7 +363,7 @@ class GuardClient:
         return result.ok
 
     def peer_fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float) -> int:
-        """Starts a fetch by the daemon from a peer it trusts; returns a ticket to poll."""
+        """Starts a fetch by the Runner from a peer it trusts; returns a ticket to poll."""
         result = self._one(p.PeerFetch(endpoint, list(keys), max(1, int(deadline_s * 1000))))
         assert isinstance(result, p.Ticket)
         return result.id
@@ -379,7 +380,7 @@ class GuardClient:
         return result.n
 
     def post_hint(self, envelope: str) -> int:
-        """Posts a KV hint for requests to come (the daemon's `HintBoard`); returns the block
+        """Posts a KV hint for requests to come (the Runner's `HintBoard`); returns the block
         hashes it remembered (0: rejected, and counted in kvcr_hints_total)."""
         result = self._one(p.PostHint(envelope))
         assert isinstance(result, p.Count)
@@ -399,7 +400,7 @@ class GuardClient:
     # -- copy helpers ------------------------------------------------------------------------
 
     def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
-        """reserve + copy + commit; returns blocks stored. Raises GuardUnavailable."""
+        """reserve + copy + commit; returns blocks stored. Raises RunnerUnavailable."""
         return store_blocks(self, keys, blocks)
 
     def load(self, keys: Sequence[BlockKey]) -> list[bytes]:

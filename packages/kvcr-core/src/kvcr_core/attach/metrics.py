@@ -1,4 +1,5 @@
-"""Daemon collectors (`kvcr_guard_*`), in the same injected registry as the Runner's.
+"""Attach server collectors (`kvcr_guard_*`: named for kvcr-guard, which exports them), in
+the same injected registry as the Runner's.
 
 Hot-path cheap like the Runner's (kvcr_core.metrics.LightMetrics): plain ints under one
 lock, families built at scrape. Labels are bounded enums (close reasons). Thread-safe.
@@ -11,13 +12,13 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvcr_core.guard_client.protocol import CloseReason
+from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.metrics import LightHistogram, LightMetrics
 
 _REQUEST_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2)
 
 
-class GuardMetrics(LightMetrics):
+class AttachMetrics(LightMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
         self.attaches = self.clients = self.requests = self.ops = 0

@@ -18,15 +18,15 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvcr_core.attach import protocol as p
+from kvcr_core.attach.metrics import AttachMetrics
+from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.errors import CapacityError, ConfigError
-from kvcr_core.guard_client import protocol as p
-from kvcr_core.guard_client.protocol import CloseReason
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.peers import PeerClient
 from kvcr_core.peers.client import FetchHandle
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import BlockKey, OpId, OwnerId
-from kvcr_guard.metrics import GuardMetrics
 
 _MAX_TICKETS = 64
 
@@ -47,7 +47,7 @@ class _State(enum.Enum):
 
 
 class ClientSession:
-    def __init__(self, owner: OwnerId, peer_pid: int, runner: Runner, metrics: GuardMetrics,
+    def __init__(self, owner: OwnerId, peer_pid: int, runner: Runner, metrics: AttachMetrics,
                  status: Callable[[], str],
                  peers: Callable[[NamespaceStore, str], PeerClient | None] | None = None
                  ) -> None:
@@ -87,7 +87,7 @@ class ClientSession:
             raise SessionClosed(CloseReason.OUT_OF_ORDER, "a second Hello")
         if hello.protocol != p.PROTOCOL_VERSION:
             raise SessionClosed(CloseReason.WRONG_VERSION,
-                                f"client speaks protocol {hello.protocol}, this daemon "
+                                f"client speaks protocol {hello.protocol}, this runner "
                                 f"{p.PROTOCOL_VERSION}; install matching kvcr versions")
         try:
             spec = NamespaceSpec.from_mapping(hello.namespace)
@@ -158,11 +158,11 @@ class ClientSession:
 
     def _peer_fetch(self, op: p.PeerFetch, store: NamespaceStore) -> p.Result:
         if self._peers is None:
-            return p.Refused("peers_off", "this kvcr-guard fetches from no peers (--peer)")
+            return p.Refused("peers_off", "this kvcr runner fetches from no peers (peers / --peer)")
         client = self._peers(store, op.endpoint)
         if client is None:
             return p.Refused("peer_not_allowed",
-                             f"{op.endpoint} is not a peer of this kvcr-guard (--peer)")
+                             f"{op.endpoint} is not a peer of this kvcr runner (peers / --peer)")
         if len(self._tickets) >= _MAX_TICKETS:
             return p.Refused("busy", f"{_MAX_TICKETS} fetches of this client are in flight")
         self._next_ticket += 1

@@ -1,15 +1,15 @@
-"""The kvcr-guard attach protocol, version 1: framed msgpack messages over a Unix socket.
+"""The attach protocol, version 1: framed msgpack messages over a Unix socket.
 
 Frame: 4-byte little-endian payload length, then a msgpack payload of one tagged message.
 Frames are bounded (`MAX_FRAME_BYTES`); a bigger announced length is a protocol violation.
 
-Order: the client sends `Hello` first and once (or a single `Probe` for status). The daemon
+Order: the client sends `Hello` first and once (or a single `Probe` for status). The server
 answers `Welcome` with the pool's memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and
 closes. Then each `Request` carries a strictly increasing `seq` and a batch of operations
-(one engine step = one round trip); the daemon answers one `Reply` with one result per
+(one engine step = one round trip); the server answers one `Reply` with one result per
 operation, in order. Anything else (unknown tag, wrong version, a second Hello, a request
 before Hello, a seq that does not increase, too many ops or keys) closes the connection with
-a counted, logged reason; the daemon and its other clients are unaffected.
+a counted, logged reason; the server and its other clients are unaffected.
 
 Pure data and codecs; thread-safe.
 """
@@ -41,7 +41,7 @@ class _Msg(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-# -- client -> daemon -------------------------------------------------------------------------
+# -- client -> server -------------------------------------------------------------------------
 
 
 class Hello(_Msg, tag="hello"):
@@ -54,7 +54,7 @@ class Hello(_Msg, tag="hello"):
 
 class Probe(_Msg, tag="probe"):
     """An operator's status query (`kvcr status`): allowed instead of Hello, answered with
-    `StatusReport`, then the daemon closes the connection."""
+    `StatusReport`, then the server closes the connection."""
 
     protocol: int
 
@@ -110,7 +110,7 @@ class HintSources(_Msg, tag="hint_sources"):
 
 
 class PeerFetch(_Msg, tag="peer_fetch"):
-    """Ask the daemon to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
+    """Ask the Runner to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
 
     endpoint: Annotated[str, msgspec.Meta(max_length=300)]
     keys: Keys
@@ -130,7 +130,7 @@ class Request(_Msg, tag="request"):
     ops: Annotated[list[Op], msgspec.Meta(max_length=MAX_OPS_PER_REQUEST)]
 
 
-# -- daemon -> client -------------------------------------------------------------------------
+# -- server -> client -------------------------------------------------------------------------
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -212,11 +212,11 @@ class Reply(_Msg, tag="reply"):
 
 
 ClientMessage = Hello | Probe | Request
-DaemonMessage = Welcome | Goodbye | Reply | StatusReport
+ServerMessage = Welcome | Goodbye | Reply | StatusReport
 
 
 class CloseReason(enum.Enum):
-    """Why the daemon closed a connection (bounded metrics label)."""
+    """Why the server closed a connection (bounded metrics label)."""
 
     EOF = "eof"
     OVERSIZED_FRAME = "oversized_frame"
@@ -233,7 +233,7 @@ class CloseReason(enum.Enum):
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
-_daemon_decoder = msgspec.msgpack.Decoder(DaemonMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
 
 
 def encode_frame(message: _Msg) -> bytes:
@@ -245,9 +245,9 @@ def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Probe | Re
     return _client_decoder.decode(payload)
 
 
-def decode_daemon(payload: bytes | bytearray | memoryview
+def decode_server(payload: bytes | bytearray | memoryview
                   ) -> Welcome | Goodbye | Reply | StatusReport:
-    return _daemon_decoder.decode(payload)
+    return _server_decoder.decode(payload)
 
 
 def op_key_count(op: Op) -> int:

@@ -1,0 +1,55 @@
+"""The attach protocol: how engines reach a Runner, whoever hosts it.
+
+A Runner is served over a Unix socket by an `AttachServer`: in kvcr-guard (guarded mode) or on
+a thread of the engine itself (`EmbeddedRunner`, embedded mode). An engine's processes attach
+with an `AttachClient`, map the pool memory it passes them and copy KV in and out themselves;
+the same code path serves both modes. `EngineSettings` (with its `PeerConfig`) is what every
+engine adapter parses from its own config.
+
+This is the package's public API for kvcr-guard and the engine adapters; its submodules are
+internals.
+"""
+
+from kvcr_core.attach.client import AttachClient, Pending, RunnerUnavailable
+from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.embedded import EmbeddedRunner
+from kvcr_core.attach.hinted_fetch import (
+    FetchSummary,
+    HintedFetch,
+    HintedFetcher,
+    HintedRun,
+    Skipped,
+    hinted_run,
+)
+from kvcr_core.attach.protocol import PROTOCOL_VERSION
+from kvcr_core.attach.server import AttachServer
+from kvcr_core.attach.settings import (
+    ENGINE_KEYS,
+    EngineSettings,
+    Mode,
+    PeerConfig,
+    reject_unknown,
+    secret_from,
+)
+
+__all__ = [
+    "ENGINE_KEYS",
+    "PROTOCOL_VERSION",
+    "AttachClient",
+    "AttachServer",
+    "EmbeddedRunner",
+    "EngineSettings",
+    "FetchSummary",
+    "HintedFetch",
+    "HintedFetcher",
+    "HintedRun",
+    "Mode",
+    "PeerConfig",
+    "Pending",
+    "RunnerUnavailable",
+    "ServerConfig",
+    "Skipped",
+    "hinted_run",
+    "reject_unknown",
+    "secret_from",
+]

@@ -1,0 +1,57 @@
+"""Embedded mode: the Runner lives in the engine process (vLLM: its scheduler; SGLang: the
+process that owns the cache).
+
+It is served to this engine's workers exactly as kvcr-guard serves engines (the same
+`AttachServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
+run one code path; with `peer.listen` it also serves other nodes, and with `peer.peers` it
+fetches hinted blocks from them (the attach protocol's fetch tickets). The default socket is a
+Linux abstract one (no file; only this uid may attach), so nothing is left behind even when
+the engine is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+
+from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.server import AttachServer
+from kvcr_core.attach.settings import EngineSettings
+from kvcr_core.config import KVCRConfig
+
+log = logging.getLogger("kvcr_core.attach")
+
+
+class EmbeddedRunner:
+    """Starts serving at construction; `stop` (also at interpreter exit) ends it."""
+
+    def __init__(self, settings: EngineSettings, *, runner: KVCRConfig | None = None) -> None:
+        """`runner` overrides `settings.runner` (an adapter that sizes the pool itself)."""
+        self.socket_path = settings.socket
+        config = runner if runner is not None else settings.runner
+        self.server = AttachServer(ServerConfig(socket_path=settings.socket, runner=config,
+                                                peer=settings.peer))
+        self.server.listen()
+        self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+        log.info("kvcr embedded runner serving %s (pool %d bytes)",
+                 settings.socket.replace("\0", "@"), config.pool_bytes)
+
+    @property
+    def peer_endpoint(self) -> str | None:
+        """Where this Runner serves peers (None: it serves none)."""
+        server = self.server.peer_server
+        return None if server is None else server.endpoint
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.server.request_shutdown()
+            self._thread.join(timeout=5)
+        if not self.socket_path.startswith("\0"):  # abstract sockets have no file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)

@@ -1,0 +1,186 @@
+"""How an engine adapter reaches its Runner, and how a Runner meets its peers: frozen settings,
+validated once at the edge.
+
+- `PeerConfig`: where a Runner serves peers, the shared secret, TLS, NIXL, the peers it may
+  fetch from (the only endpoints a KV hint may name) and the fetch deadline. One validation
+  for every source: kvcr-guard's flags and every engine adapter's config mapping.
+- `EngineSettings`: what every engine adapter shares (embedded or guarded mode, the socket,
+  the Runner config of the embedded mode, timeouts, identity, `PeerConfig`).
+  `EngineSettings.fields_from(extra, ...)` reads them from the engine's own config mapping
+  (vLLM's `kv_connector_extra_config`, SGLang's storage backend / linker extra config); each
+  adapter adds its own keys and rejects the rest (a typo must not silently disable the cache).
+
+Pure; thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
+from kvcr_core.errors import ConfigError, HintRejected
+from kvcr_core.hints import Endpoint
+from kvcr_core.peers import PeerSecret, PeerTLS
+
+ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
+                         "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
+                         "peers", "fetch_deadline_s", "peer_tls", "peer_nixl"})
+DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
+
+
+class Mode(enum.Enum):
+    EMBEDDED = "embedded"  # the Runner lives in the engine process
+    GUARDED = "guarded"  # the Runner lives in a kvcr-guard daemon
+
+
+def _seconds(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
+        raise ConfigError(field, value, "give seconds in (0, 60]")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """A Runner's peer settings. `peers` are normalised `tcp://host:port` endpoints."""
+
+    listen: str = ""
+    """HOST:PORT to serve blocks to peers on ("" = serve none; port 0 = any free port)."""
+    secret: PeerSecret | None = None
+    """The shared secret peers authenticate with (needed to serve or to fetch)."""
+    peers: frozenset[str] = frozenset()
+    """Endpoints this Runner may fetch from: the only sources a KV hint may name."""
+    tls: PeerTLS | None = None
+    nixl: bool = False
+    """Move peer transfers to NIXL when both sides have it (trusted nodes only)."""
+    fetch_deadline_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.listen, str):
+            raise ConfigError("peer_listen", self.listen, 'give "HOST:PORT"')
+        if self.listen:
+            host, _, port = self.listen.rpartition(":")
+            if not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError("peer_listen", self.listen,
+                                  "give HOST:PORT, e.g. 0.0.0.0:7500 (port 0 = any)")
+        normalised = set()
+        for peer in self.peers:
+            try:
+                normalised.add(str(Endpoint.parse(peer, where="peers")))
+            except HintRejected as exc:
+                raise ConfigError("peers", peer, exc.detail) from None
+        object.__setattr__(self, "peers", frozenset(normalised))
+        if not isinstance(self.nixl, bool):
+            raise ConfigError("peer_nixl", self.nixl, "use true or false")
+        object.__setattr__(self, "fetch_deadline_s",
+                           _seconds("fetch_deadline_s", self.fetch_deadline_s))
+
+    @property
+    def active(self) -> bool:
+        """Whether this Runner serves or fetches from peers at all."""
+        return bool(self.listen or self.peers)
+
+    def check_secret(self) -> None:
+        """A Runner that serves or fetches needs the secret (raises ConfigError)."""
+        if self.active and self.secret is None:
+            raise ConfigError("peer_secret", None, "peers need the shared secret: a file "
+                              "(peer_secret_file / --peer-secret-file) or an environment "
+                              "variable (peer_secret_env / --peer-secret-env)")
+
+    @classmethod
+    def from_mapping(cls, extra: Mapping[str, Any], *, field: str,
+                     load_secret: bool) -> PeerConfig:
+        """The peer keys of an engine's config mapping; errors name `field.key`.
+        `load_secret`: read the secret (a Runner in this process will use it)."""
+        peers = extra.get("peers", [])
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise ConfigError(f"{field}.peers", peers, 'give a list of "tcp://host:port"')
+        tls = extra.get("peer_tls")
+        if tls is not None:
+            if not isinstance(tls, Mapping) or set(tls) != {"cert", "key", "ca"}:
+                raise ConfigError(f"{field}.peer_tls", tls,
+                                  'give {"cert": PEM, "key": PEM, "ca": PEM} file paths')
+            tls = PeerTLS(str(tls["cert"]), str(tls["key"]), str(tls["ca"]))
+        listen = extra.get("peer_listen", "")
+        secret = None
+        if load_secret and (listen or peers):
+            secret = secret_from(extra.get("peer_secret_file"),
+                                 extra.get("peer_secret_env", DEFAULT_SECRET_ENV))
+        try:
+            return cls(listen=listen, secret=secret, peers=frozenset(peers), tls=tls,
+                       nixl=extra.get("peer_nixl", False),
+                       fetch_deadline_s=extra.get("fetch_deadline_s", 2.0))
+        except ConfigError as exc:
+            raise ConfigError(f"{field}.{exc.field}", exc.value, exc.fix) from None
+
+
+def secret_from(path: str | None, env: str) -> PeerSecret:
+    """The peer secret from a file when one is named, else from environment variable `env`."""
+    return PeerSecret.from_file(path) if path else PeerSecret.from_env(env)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    mode: Mode = Mode.EMBEDDED
+    socket: str = ""
+    runner: KVCRConfig = dataclasses.field(default_factory=KVCRConfig)
+    timeout_s: float = 2.0
+    identity: str = ""
+    peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
+
+    @staticmethod
+    def fields_from(extra: Mapping[str, Any], *, field: str,
+                    default_socket: str) -> dict[str, Any]:
+        """The `EngineSettings` fields from `extra` (other keys are the caller's to check).
+        `default_socket` is the embedded Runner's socket when none is given (use an abstract
+        "\\0name": nothing is left behind when the engine is killed)."""
+        try:
+            mode = Mode(extra.get("mode", "embedded"))
+        except ValueError:
+            raise ConfigError(f"{field}.mode", extra.get("mode"),
+                              "use 'embedded' (default) or 'guarded'") from None
+        socket_path = extra.get("socket", "")
+        if not isinstance(socket_path, str):
+            raise ConfigError(f"{field}.socket", socket_path,
+                              "give the kvcr-guard socket path as a string")
+        if mode is Mode.GUARDED and not socket_path:
+            raise ConfigError(f"{field}.socket", socket_path,
+                              "guarded mode needs the kvcr-guard socket, e.g. "
+                              "\"socket\": \"/run/kvcr/guard.sock\"")
+        if mode is Mode.GUARDED and extra.get("peer_listen"):
+            raise ConfigError(f"{field}.peer_listen", extra["peer_listen"],
+                              "in guarded mode kvcr-guard serves peers: use its --peer-listen")
+        identity = extra.get("identity", "")
+        if not isinstance(identity, str):
+            raise ConfigError(f"{field}.identity", identity, "give a string")
+        # In guarded mode the daemon dials (and must list the same peers with --peer); the
+        # engine only filters hints, so it needs no secret.
+        peer = PeerConfig.from_mapping(extra, field=field, load_secret=mode is Mode.EMBEDDED)
+        return {"mode": mode, "socket": socket_path or default_socket,
+                "runner": _runner_config(extra, field),
+                "timeout_s": _seconds(f"{field}.timeout_s", extra.get("timeout_s", 2.0)),
+                "identity": identity, "peer": peer}
+
+
+def _runner_config(extra: Mapping[str, Any], field: str) -> KVCRConfig:
+    overrides = extra.get("kvcr", {})
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{field}.kvcr", overrides,
+                          "give a mapping of kvcr config fields (docs/config.md)")
+    overrides = dict(overrides)
+    if "pool_bytes" in extra:
+        overrides["pool_bytes"] = parse_size_bytes(f"{field}.pool_bytes", extra["pool_bytes"],
+                                                   minimum=4096)
+    return load_config(extra.get("config_file"), overrides=overrides)
+
+
+def reject_unknown(extra: Mapping[str, Any], field: str, known: frozenset[str],
+                   *, ignored: frozenset[str] = frozenset()) -> None:
+    """A key neither `known` nor `ignored` (the engine's own keys in the same mapping) is a
+    ConfigError naming it and what kvcr accepts."""
+    unknown = sorted(set(extra) - known - ignored)
+    if unknown:
+        raise ConfigError(f"{field}.{unknown[0]}", extra[unknown[0]],
+                          f"unknown key; kvcr accepts {', '.join(sorted(known))}")

@@ -1,0 +1,49 @@
+"""`GuardDaemon`: kvcr-guard's process around core's `AttachServer`: the metrics HTTP endpoint,
+SIGTERM/SIGINT handling and the daemon's log line. The attach server owns the pool, the
+clients and peer serving; the daemon owns the process.
+
+Threading: `run` serves on the calling (main) thread until a signal or `stop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from kvcr_core.attach import AttachServer
+from kvcr_guard._version import __version__
+from kvcr_guard.config import GuardConfig
+
+log = logging.getLogger("kvcr_guard")
+
+
+class GuardDaemon:
+    def __init__(self, config: GuardConfig, *, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.server = AttachServer(config.server, registry=self.registry)
+        self.metrics_port: int | None = None
+
+    def listen(self) -> None:
+        """Binds the socket, the peer port and the metrics port (raises on failure)."""
+        self.server.listen()
+        if self.config.metrics_port is not None:
+            http, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
+                                        registry=self.registry)
+            self.metrics_port = http.server_address[1]
+        log.info("kvcr-guard %s ready (metrics %s)", __version__,
+                 f"{self.config.metrics_host}:{self.metrics_port}" if self.metrics_port
+                 else "off")
+
+    def run(self) -> int:
+        """Serves until SIGTERM/SIGINT (or `stop`); returns the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.server.request_shutdown())
+        return self.server.serve_forever()
+
+    def stop(self) -> None:
+        self.server.request_shutdown()
