@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
-from kvcr_core.peers.nixl_transport import NixlEngine
+from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest

@@ -94,7 +94,7 @@ def test_bench_pool_quick_json_reports_the_summary() -> None:
 def test_bench_peer_quick_json_reports_both_transports() -> None:
     """`kvcr bench peer --quick --json` runs end to end: every TCP row and summary figure, and
     the NIXL ones exactly when nixl is installed (null otherwise)."""
-    from kvcr_core.peers.nixl_transport import nixl_installed
+    from kvcr_core.peers.nixl_engine import nixl_installed
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCR_")}
     out = subprocess.run([KVCR, "bench", "peer", "--quick", "--json"], capture_output=True,

@@ -138,11 +138,11 @@ def test_the_engine_has_two_lanes_where_two_cpus_can_run_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: on a one-CPU container two lanes would only take turns (and a second UCX worker
     would cost memory and connections for nothing); a lane count of 0 would READ nothing."""
-    from kvcr_core.peers import nixl_transport
+    from kvcr_core.peers import nixl_engine
 
-    monkeypatch.setattr(nixl_transport.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert nixl_transport.NixlEngine().lanes == 2
-    monkeypatch.setattr(nixl_transport.os, "sched_getaffinity", lambda pid: {3})
-    assert nixl_transport.NixlEngine().lanes == 1
+    monkeypatch.setattr(nixl_engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert nixl_engine.NixlEngine().lanes == 2
+    monkeypatch.setattr(nixl_engine.os, "sched_getaffinity", lambda pid: {3})
+    assert nixl_engine.NixlEngine().lanes == 1
     with pytest.raises(ValueError, match="at least one lane"):
-        nixl_transport.NixlEngine(lanes=0)
+        nixl_engine.NixlEngine(lanes=0)

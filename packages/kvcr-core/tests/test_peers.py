@@ -1,6 +1,7 @@
 """Peer transfers: authenticated, checksummed, deadline-bounded, and exact across processes
-and network namespaces. The contract tests run over both transports: TCP, and NIXL (skipped
-when nixl is not installed: pip install 'kvcr-core[nixl]')."""
+and network namespaces. The contract tests run over every transport: TCP, NIXL (skipped when
+nixl is not installed: pip install 'kvcr-core[nixl]') and the in-process loopback transport
+of kvcr_core.testing (its tests across processes skip: it is in-process by design)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,29 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
-from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer, PeerTLS
+from kvcr_core.peers import (
+    FetchStatus,
+    NixlTransport,
+    PeerClient,
+    PeerMetrics,
+    PeerSecret,
+    PeerServer,
+    PeerTLS,
+    PeerTransport,
+    ReadTransport,
+    Transport,
+)
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.checksums import SlotChecksums
-from kvcr_core.peers.nixl_transport import NixlEngine, nixl_installed
-from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.nixl_engine import NixlEngine, nixl_installed
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.testing import FakePeerSource, network_namespaces, pattern_block, random_keys
+from kvcr_core.testing import (
+    FakePeerSource,
+    LoopbackTransport,
+    network_namespaces,
+    pattern_block,
+    random_keys,
+)
 from kvcr_core.types import NamespaceDigest
 
 SECRET = PeerSecret(b"correct horse battery staple!!")
@@ -34,15 +51,48 @@ NODE = str(Path(__file__).with_name("peer_node.py"))
 NO_NIXL = "nixl is not installed (pip install 'kvcr-core[nixl]')"
 
 
+class Wire:
+    """One transport under test: its kind, and the servers, clients and fake sources that use
+    it (one transport object per test, shared by both ends: the loopback needs that)."""
+
+    def __init__(self, kind: Transport) -> None:
+        self.kind = kind
+        self.transport: PeerTransport | None = None
+        if kind is Transport.NIXL:
+            engine = NixlEngine.shared()
+            assert engine.wait_ready(120), f"nixl is installed but did not start: {engine.failure}"
+            self.transport = NixlTransport(engine)
+        elif kind is Transport.LOOPBACK:
+            self.transport = LoopbackTransport()
+
+    @property
+    def value(self) -> str:
+        return self.kind.value
+
+    def server(self, runner: Runner, metrics: PeerMetrics,
+               secret: PeerSecret = SECRET) -> PeerServer:
+        return PeerServer(runner, secret, metrics,
+                          transports=[self.transport] if self.transport else [])
+
+    def client(self, store: NamespaceStore, metrics: PeerMetrics, secret: PeerSecret = SECRET,
+               **kwargs: object) -> PeerClient:
+        return PeerClient(store, secret, metrics, transport=self.transport,
+                          **kwargs)  # type: ignore[arg-type]
+
+    def fake(self, behaviour: str) -> FakePeerSource:
+        reads = self.transport if isinstance(self.transport, ReadTransport) else None
+        return FakePeerSource(SECRET, BLOCK, behaviour, reads)
+
+    def across_processes(self) -> None:
+        if self.kind is Transport.LOOPBACK:
+            pytest.skip("the loopback transport is in-process only")
+
+
 @pytest.fixture(params=["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
-    not nixl_installed(), reason=NO_NIXL))])
-def transport(request: pytest.FixtureRequest) -> Transport:
-    """The transport a contract test runs over (NIXL: this process's agent, started first)."""
-    chosen = Transport(request.param)
-    if chosen is Transport.NIXL:
-        engine = NixlEngine.shared()
-        assert engine.wait_ready(120), f"nixl is installed but did not start: {engine.failure}"
-    return chosen
+    not nixl_installed(), reason=NO_NIXL)), "loopback"])
+def transport(request: pytest.FixtureRequest) -> Wire:
+    """The transport a contract test runs over."""
+    return Wire(Transport(request.param))
 
 
 def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
@@ -52,20 +102,19 @@ def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
 
 
 @pytest.fixture
-def source(transport: Transport) -> Iterator[tuple[PeerServer, list[bytes]]]:
+def source(transport: Wire) -> Iterator[tuple[PeerServer, list[bytes]]]:
     runner, store, metrics = node()
     keys = random_keys(40, seed=1)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics, nixl=transport is Transport.NIXL)
+    server = transport.server(runner, metrics)
     yield server, keys
     server.close()
     runner.close()
 
 
-def client(store: NamespaceStore, metrics: PeerMetrics, transport: Transport,
+def client(store: NamespaceStore, metrics: PeerMetrics, transport: Wire,
            **kwargs: object) -> PeerClient:
-    return PeerClient(store, SECRET, metrics, nixl=transport is Transport.NIXL,
-                      **kwargs)  # type: ignore[arg-type]
+    return transport.client(store, metrics, **kwargs)
 
 
 def test_fetch_is_byte_exact_and_reports_per_key(source, transport) -> None:
@@ -76,7 +125,7 @@ def test_fetch_is_byte_exact_and_reports_per_key(source, transport) -> None:
     wanted = [*keys[:10], *random_keys(2, seed=77)]
     peer = client(store, metrics, transport)
     result = peer.fetch(server.endpoint, wanted, deadline_s=10)
-    assert result.transport is transport
+    assert result.transport is transport.kind
     assert result.statuses[:2] == (FetchStatus.PRESENT,) * 2
     assert result.statuses[2:10] == (FetchStatus.OK,) * 8
     assert result.statuses[10:] == (FetchStatus.MISSING,) * 2
@@ -85,7 +134,7 @@ def test_fetch_is_byte_exact_and_reports_per_key(source, transport) -> None:
     assert store.lookup(wanted) == 10 and store.index.filling_blocks == 0
     assert metrics.fetched["ok"] == 8 and metrics.fetched["missing"] == 2
     again = peer.fetch(server.endpoint, keys[10:20], deadline_s=10)  # a pooled connection
-    assert again.statuses == (FetchStatus.OK,) * 10 and again.transport is transport
+    assert again.statuses == (FetchStatus.OK,) * 10 and again.transport is transport.kind
     assert server.metrics.connections[transport.value] == 1
     peer.close()
 
@@ -110,7 +159,7 @@ def test_keys_stored_or_out_of_room_while_asked_are_skipped_in_step(
     with monkeypatch.context() as patch:
         patch.setattr(store, "reserve", stored_meanwhile)
         result = peer.fetch(server.endpoint, keys[:room], deadline_s=10)
-    assert result.transport is transport
+    assert result.transport is transport.kind
     assert result.statuses[1] is FetchStatus.PRESENT and store.load([keys[1]]) == [mine]
     fetched = [0, *range(2, room)]
     assert [result.statuses[i] for i in fetched] == [FetchStatus.OK] * len(fetched)
@@ -143,11 +192,10 @@ def test_wrong_secret_is_refused_both_ways(client_secret, server_secret, transpo
     runner, store, metrics = node()
     keys = random_keys(3, seed=2)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    nixl = transport is Transport.NIXL
-    server = PeerServer(runner, s_secret, metrics, nixl=nixl)
+    server = transport.server(runner, metrics, s_secret)
     _, dest, dmetrics = node()
-    result = PeerClient(dest, c_secret, dmetrics, nixl=nixl).fetch(server.endpoint, keys,
-                                                                    deadline_s=5)
+    result = transport.client(dest, dmetrics, c_secret).fetch(server.endpoint, keys,
+                                                               deadline_s=5)
     assert set(result.statuses) == {FetchStatus.REFUSED} and "auth" in result.detail
     assert dest.lookup(keys) == 0 and dest.index.free_slots == dest.index.capacity_slots
     server.close()
@@ -166,11 +214,11 @@ def test_other_namespace_is_refused(source, transport) -> None:
 
 
 @pytest.fixture
-def fake(transport: Transport) -> Iterator[Callable[[str], FakePeerSource]]:
+def fake(transport: Wire) -> Iterator[Callable[[str], FakePeerSource]]:
     made: list[FakePeerSource] = []
 
     def make(behaviour: str) -> FakePeerSource:
-        made.append(FakePeerSource(SECRET, BLOCK, behaviour, transport))
+        made.append(transport.fake(behaviour))
         return made[-1]
 
     yield make
@@ -185,7 +233,7 @@ def test_wrong_bytes_fail_the_checksum_and_are_never_published(fake, transport) 
     keys = random_keys(3, seed=3)
     result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=10)
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
-    assert result.transport is transport
+    assert result.transport is transport.kind
     assert store.contains(keys) == [True, False, True]
     assert metrics.fetched["checksum"] == 1 and store.index.filling_blocks == 0
 
@@ -199,7 +247,7 @@ def test_silent_peer_costs_at_most_the_deadline(fake, transport) -> None:
     result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=1.0)
     assert time.monotonic() - start < 2.0
     # TCP: the first block came whole before the silence; NIXL: nothing was offered yet
-    arrived = 1 if transport is Transport.TCP else 0
+    arrived = 1 if transport.kind is Transport.TCP else 0
     assert result.statuses == (FetchStatus.OK,) * arrived + (FetchStatus.TIMEOUT,) * (4 - arrived)
     assert store.contains(keys) == [True] * arrived + [False] * (4 - arrived)
     assert store.index.filling_blocks == 0
@@ -211,7 +259,7 @@ def test_peer_killed_mid_transfer_fails_the_rest(fake, transport) -> None:
     _, store, metrics = node()
     keys = random_keys(3, seed=5)
     result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=5)
-    arrived = 1 if transport is Transport.TCP else 0
+    arrived = 1 if transport.kind is Transport.TCP else 0
     assert result.statuses == ((FetchStatus.OK,) * arrived
                                + (FetchStatus.UNREACHABLE,) * (3 - arrived))
     assert store.contains(keys) == [True] * arrived + [False] * (3 - arrived)
@@ -259,6 +307,7 @@ def run_node(*args: str, prefix: list[str] | None = None,
 def test_two_processes_transfer_1000_blocks_exactly(transport) -> None:
     """Across real processes over loopback: 1,000 blocks, every byte checked, over the
     transport both sides have."""
+    transport.across_processes()
     server = run_node("serve", "x" * 24, "127.0.0.1", "1000", str(BLOCK), transport.value)
     try:
         assert server.stdout is not None
@@ -277,10 +326,11 @@ def test_two_processes_transfer_1000_blocks_exactly(transport) -> None:
 
 
 @pytest.fixture
-def netns_pair(transport: Transport) -> Iterator[tuple[str, str, str]]:
+def netns_pair(transport: Wire) -> Iterator[tuple[str, str, str]]:
     """Two network namespaces joined by a veth pair, made and removed here: names and subnet
     per transport, since parallel test workers may run both at once."""
-    tag, subnet = {Transport.TCP: ("pt", 7), Transport.NIXL: ("pn", 8)}[transport]
+    transport.across_processes()
+    tag, subnet = {Transport.TCP: ("pt", 7), Transport.NIXL: ("pn", 8)}[transport.kind]
     with network_namespaces(tag, subnet) as pair:
         if pair is None:
             pytest.skip("network namespaces need root and iproute2")
@@ -292,7 +342,7 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transpo
     """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly (NIXL
     forced onto the veth with UCX_TLS=tcp, as between hosts)."""
     a, b, address = netns_pair
-    ucx = transport is Transport.NIXL
+    ucx = transport.kind is Transport.NIXL
     server = run_node("serve", "y" * 24, address, "1000", str(BLOCK), transport.value,
                       prefix=["ip", "netns", "exec", a],
                       env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrpnva"} if ucx else None)
@@ -448,7 +498,7 @@ def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> No
     runner, store, metrics = node()
     keys = random_keys(6, seed=11)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-    server = PeerServer(runner, SECRET, metrics, nixl=transport is Transport.NIXL)
+    server = transport.server(runner, metrics)
     _, dest, dmetrics = node()
     peer = client(dest, dmetrics, transport)
     for _ in range(2):

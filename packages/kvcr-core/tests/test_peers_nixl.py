@@ -19,16 +19,24 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import frame, recv_frame
 from kvcr_core.memory import HostRegion, RegionKind
-from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret, PeerServer
-from kvcr_core.peers import client as client_module
+from kvcr_core.peers import (
+    FetchStatus,
+    NixlTransport,
+    PeerClient,
+    PeerMetrics,
+    PeerSecret,
+    PeerServer,
+    Transport,
+)
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.nixl_transport import (
+from kvcr_core.peers.connection import SourceConnection, authenticate
+from kvcr_core.peers.nixl_engine import (
     NixlEngine,
     NixlRead,
     NixlRequestRefused,
     nixl_installed,
 )
-from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.reads import read_plan
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import FakePeerSource, pattern_block, random_keys
 from kvcr_core.types import BlockKey, NamespaceDigest
@@ -88,8 +96,9 @@ def test_a_pooled_tcp_connection_moves_to_nixl_once_both_sides_have_it() -> None
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
     server = PeerServer(runner, SECRET, metrics, nixl=True)
     _, dest, dmetrics = node()
-    peer = PeerClient(dest, SECRET, dmetrics, nixl=True)
-    peer._tcp_until[server.endpoint] = time.monotonic() + 0.3  # as if NIXL were starting
+    reads = NixlTransport()
+    peer = PeerClient(dest, SECRET, dmetrics, transport=reads)
+    reads.offer_later(server.endpoint, 0.3)  # as if NIXL were starting
     assert peer.fetch(server.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
     time.sleep(0.3)
     assert peer.fetch(server.endpoint, keys[2:], deadline_s=10).transport is Transport.NIXL
@@ -108,7 +117,7 @@ def test_a_pooled_tcp_connection_moves_to_nixl_once_both_sides_have_it() -> None
 def test_a_source_naming_unregistered_memory_gets_nothing_published() -> None:
     """A source that points a NIXL read outside the memory it registered is refused by NIXL
     before anything moves: the blocks fail as a protocol error and none becomes READY."""
-    source = FakePeerSource(SECRET, BLOCK, "outside", Transport.NIXL)
+    source = FakePeerSource(SECRET, BLOCK, "outside", NixlTransport())
     _, store, metrics = node()
     keys = random_keys(3, seed=22)
     client = PeerClient(store, SECRET, metrics, nixl=True)
@@ -137,7 +146,8 @@ def test_pools_are_registered_once_and_released_with_their_last_user(engine) -> 
     remote = PeerClient(dest, SECRET, dmetrics, nixl=True)
     assert remote.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
     assert users() == 1
-    assert local._nixl_ready(server.endpoint)  # registers the same pool as a fetch target
+    assert local.preferred is not None  # registers the same pool as a fetch target:
+    assert local.preferred.usable(server.endpoint, store)
     assert users() == 2
     server.close()
     assert users() == 1
@@ -229,10 +239,10 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
 
 
 @pytest.fixture
-def one_block_reads(engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each NIXL READ moves one block, so a fetch of a few blocks is many READs, which the
-    two read lanes take in turn."""
-    monkeypatch.setattr(engine, "chunk_bytes", BLOCK)
+def one_block_reads(engine: NixlEngine) -> Callable[..., NixlTransport]:
+    """NIXL transports whose READs move one block each, so a fetch of a few blocks is many
+    READs, which the two read lanes take in turn."""
+    return lambda **options: NixlTransport(engine, largest_read_bytes=BLOCK, **options)
 
 
 @contextlib.contextmanager
@@ -258,10 +268,10 @@ def on_third_start(monkeypatch: pytest.MonkeyPatch, action: Callable[[float], ob
 def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     """Risk: a lane publishes a block without checking it, or checks the wrong one: block
     1's bytes are wrong, and only it is refused."""
-    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", Transport.NIXL)
+    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", NixlTransport())
     _, store, metrics = node()
     keys = random_keys(3, seed=23)
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, transport=one_block_reads())
     result = client.fetch(source.endpoint, keys, deadline_s=10)
     assert result.transport is Transport.NIXL
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
@@ -289,7 +299,8 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
     lanes, the other lane may finish the READ it had begun as well."""
     source_runner, server, keys, _ = stocked_source(40, 24, nixl=True)
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True, parallel_reads=parallel)
+    client = PeerClient(store, SECRET, metrics,
+                        transport=one_block_reads(parallel_reads=parallel))
     readers: set[str] = set()
 
     def slow_read(deadline: float) -> None:  # lets a lane join even on a busy machine
@@ -318,15 +329,12 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
     source_runner.close()
 
 
-def test_reads_of_shrinking_size_check_every_block_where_it_lands(
-        engine: NixlEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reads_of_shrinking_size_check_every_block_where_it_lands(engine: NixlEngine) -> None:
     """Risk: with READs of different sizes (read_plan: 7, 8, 8, 4, 2, 1 blocks here), taken
     by two lanes, a chunk is checked against another chunk's checksums, a block is skipped,
     or a chunk is published unchecked. Source blocks in the first, a middle and the last
     chunk are overwritten after their checksums were taken."""
-    monkeypatch.setattr(engine, "chunk_bytes", 8 * BLOCK)
-    monkeypatch.setattr(client_module, "_NIXL_LAST_READ_BYTES", BLOCK)
-    assert client_module.read_plan(30, BLOCK, 8 * BLOCK, BLOCK) == [7, 8, 8, 4, 2, 1]
+    assert read_plan(30, BLOCK, 8 * BLOCK, BLOCK) == [7, 8, 8, 4, 2, 1]
     source_runner, server, keys, _ = stocked_source(30, 26, nixl=True)
     _, warm, warm_metrics = node()
     first = PeerClient(warm, SECRET, warm_metrics, nixl=True)
@@ -338,7 +346,8 @@ def test_reads_of_shrinking_size_check_every_block_where_it_lands(
         assert slot is not None
         source.pool.view(slot)[:] = bytes(BLOCK)
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, transport=NixlTransport(
+        engine, largest_read_bytes=8 * BLOCK, last_read_bytes=BLOCK))
     result = client.fetch(server.endpoint, keys, deadline_s=10)
     assert result.transport is Transport.NIXL
     assert result.statuses == tuple(FetchStatus.CHECKSUM if i in bad else FetchStatus.OK
@@ -366,7 +375,8 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
     assert warm.fetch(server.endpoint, keys, deadline_s=10).fetched == 6  # checksums known
     warm.close()
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True, parallel_reads=parallel)
+    client = PeerClient(store, SECRET, metrics,
+                        transport=one_block_reads(parallel_reads=parallel))
 
     def stall(deadline: float) -> None:  # the source stalls past the deadline
         time.sleep(max(0.0, deadline - time.monotonic()) + 0.01)
@@ -388,14 +398,13 @@ def test_a_deadline_mid_fetch_keeps_the_blocks_already_checked(
 
 @pytest.mark.parametrize("late", [True, False], ids=["late-checksums", "older-client"])
 def test_checksums_late_or_with_the_addresses_check_every_block(
-        one_block_reads, late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        one_block_reads, late: bool) -> None:
     """Risk: checksums that follow NixlBlocks (late_checksums) are applied to the wrong
     blocks, or a client that did not offer the feature is sent them anyway."""
-    if not late:
-        monkeypatch.setattr(client_module, "_FEATURES", ())  # as a client that predates it
-    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", Transport.NIXL)
+    features = (pp.LATE_CHECKSUMS,) if late else ()  # () as a client that predates it
+    source = FakePeerSource(SECRET, BLOCK, "wrong_bytes", NixlTransport())
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, transport=one_block_reads(features=features))
     keys = random_keys(3, seed=26)
     result = client.fetch(source.endpoint, keys, deadline_s=10)
     assert source.late is late
@@ -407,7 +416,7 @@ def test_checksums_late_or_with_the_addresses_check_every_block(
 
 def test_late_checksums_out_of_order_are_refused() -> None:
     """Risk: a source that skips a checksum shifts the others onto the wrong blocks."""
-    source = FakePeerSource(SECRET, BLOCK, "sums_out_of_order", Transport.NIXL)
+    source = FakePeerSource(SECRET, BLOCK, "sums_out_of_order", NixlTransport())
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
     keys = random_keys(3, seed=27)
@@ -420,17 +429,15 @@ def test_late_checksums_out_of_order_are_refused() -> None:
 
 
 @pytest.mark.parametrize("late", [True, False], ids=["late-checksums", "older-client"])
-def test_first_serves_in_a_row_keep_the_connection_in_step(
-        late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_first_serves_in_a_row_keep_the_connection_in_step(late: bool) -> None:
     """Risk: checksums a source sends after NixlBlocks are left on the connection and read
     as the answer to the next fetch (or sent to a client that did not ask for them). Each
     fetch here is a first serve: the source stores its blocks again before it."""
-    if not late:
-        monkeypatch.setattr(client_module, "_FEATURES", ())
+    features = (pp.LATE_CHECKSUMS,) if late else ()
     source_runner, server, keys, source_metrics = stocked_source(40, 28, nixl=True)
     source_store = source_runner.namespace(NS)
     _, store, metrics = node()
-    client = PeerClient(store, SECRET, metrics, nixl=True)
+    client = PeerClient(store, SECRET, metrics, transport=NixlTransport(features=features))
     for _ in range(3):
         with source_store.lock:
             source_store.index.discard(keys)
@@ -462,7 +469,7 @@ def test_fetch_done_says_whether_every_read_copied_when_posted(
             read.state = "PROC"  # still moving after start, as over a network
 
     monkeypatch.setattr(NixlRead, "start", start_as_transport)
-    source = FakePeerSource(SECRET, BLOCK, "good", Transport.NIXL)
+    source = FakePeerSource(SECRET, BLOCK, "good", NixlTransport())
     _, store, metrics = node()
     client = PeerClient(store, SECRET, metrics, nixl=True)
     keys = random_keys(3, seed=32)
@@ -483,19 +490,18 @@ def test_a_source_drives_progress_for_a_reader_unless_its_reads_copy_inline(
     one does not. A FetchDone from an older client (no `inline`) means polling."""
     source_runner, server, keys, _ = stocked_source(4, 31, nixl=True)
     reading: list[bool] = []
-    next_frame = PeerServer._next_frame
+    next_frame = NixlTransport.next_frame
 
-    def spy(self: PeerServer, conn: socket.socket, nixl: bool, **kw: bool) -> bytearray:
+    def spy(self: NixlTransport, conn: SourceConnection, **kw: bool) -> bytearray:
         if "reading" in kw:  # the wait for a FetchDone (the wait for a request names none)
             reading.append(kw["reading"])
-        return next_frame(self, conn, nixl, **kw)
+        return next_frame(self, conn, **kw)
 
-    monkeypatch.setattr(PeerServer, "_next_frame", spy)
+    monkeypatch.setattr(NixlTransport, "next_frame", spy)
     host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
-    ready = client_module.authenticate(sock, SECRET, NS, BLOCK, server.endpoint,
-                                       (Transport.NIXL.value,))
-    assert ready.transport == Transport.NIXL.value
+    ready = authenticate(sock, SECRET, NS, BLOCK, server.endpoint, (Transport.NIXL.value,))
+    assert ready.transport is Transport.NIXL
     older = msgspec.msgpack.encode(["fetch_done", 4])  # FetchDone as sent before `inline`
     for seq, inline in enumerate([True, False, True, None], start=1):
         sock.sendall(pp.encode(pp.Fetch(seq, keys)))

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr_core.peers import client as client_module
-from kvcr_core.peers.client import read_plan
-from kvcr_core.peers.nixl_transport import NixlEngine
+from kvcr_core.peers.reads import read_plan
+from kvcr_core.testing import LoopbackTransport
 
 KIB = 1024
 
@@ -30,9 +29,11 @@ def test_every_block_once_within_bounds_and_a_short_last_read(blocks: int,
 def test_sizes_halve_toward_the_end_and_a_small_remainder_joins_the_first() -> None:
     assert read_plan(64, 256 * KIB, 16 << 20, 1 << 20) == [36, 16, 8, 4]
     assert read_plan(4, 256 * KIB, 16 << 20, 1 << 20) == [4]  # one READ, checked in line
-    # the client's own sizes: 1 MiB READs, the last 512 KiB (a 16 MiB fetch of 256 KiB blocks)
-    assert read_plan(64, 256 * KIB, NixlEngine().chunk_bytes,
-                     client_module._NIXL_LAST_READ_BYTES) == [2] + [4] * 15 + [2]
+    # a read transport's own sizes: 1 MiB READs, the last 512 KiB (a 16 MiB fetch of 256 KiB
+    # blocks)
+    default = LoopbackTransport()
+    assert read_plan(64, 256 * KIB, default.largest_read_bytes,
+                     default.last_read_bytes) == [2] + [4] * 15 + [2]
     assert read_plan(8, 256 * KIB, 16 << 20, 1 << 20) == [4, 4]
     assert read_plan(3, 16 * KIB, 16 * KIB, 1 << 20) == [1, 1, 1]  # one block per READ
     assert read_plan(1000, 256 * KIB, 16 << 20, 1 << 20) == (

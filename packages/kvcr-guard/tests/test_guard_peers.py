@@ -93,7 +93,7 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     while not (outcome := client.peer_poll(ticket)).done:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    assert outcome.statuses == ["ok"] * 9
+    assert outcome.statuses == [FetchStatus.OK] * 9
     assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     try:
         client.peer_fetch("tcp://127.0.0.1:9", keys, deadline_s=1)

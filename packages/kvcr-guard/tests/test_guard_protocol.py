@@ -38,7 +38,7 @@ def outcome(sock: socket.socket) -> str:
                 os.close(fd)
             message = p.decode_server(payload)
             if isinstance(message, p.Goodbye):
-                return message.reason
+                return message.reason.value
     except ConnectionError:
         return "closed"
     finally:
@@ -161,7 +161,7 @@ def test_another_uid_is_refused(guard) -> None:
             s.settimeout(10)
             s.connect(guard.socket)
             reason = p.decode_server(p.recv_frame(s)[0]).reason  # type: ignore[union-attr]
-            os.write(write_end, reason.encode())
+            os.write(write_end, reason.value.encode())
         finally:
             os._exit(0)
     os.close(write_end)

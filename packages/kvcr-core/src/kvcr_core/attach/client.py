@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import os
 import socket
 import threading
@@ -43,12 +44,14 @@ _MAX_IN_FLIGHT = 32
 
 
 class RunnerUnavailable(KVCRError):
-    """The Runner cannot be reached or refused us: carry on without the cache."""
+    """The Runner cannot be reached or refused us: carry on without the cache. `reason` is a
+    short bounded word: a `CloseReason` or `RefusalReason` value the server sent, or one of
+    "backoff", "closed", "attach_failed", "disconnected", "protocol" seen here."""
 
-    def __init__(self, reason: str, detail: str) -> None:
-        self.reason = reason
+    def __init__(self, reason: str | enum.Enum, detail: str) -> None:
+        self.reason: str = reason.value if isinstance(reason, enum.Enum) else reason
         self.detail = detail
-        super().__init__(f"kvcr runner unavailable ({reason}): {detail}")
+        super().__init__(f"kvcr runner unavailable ({self.reason}): {detail}")
 
 
 def _single(results: list[p.Result]) -> p.Slots:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvcr_core.attach.client import AttachClient, RunnerUnavailable
+from kvcr_core.attach.protocol import RefusalReason
 from kvcr_core.peers.metrics import FetchStatus
 from kvcr_core.types import BlockKey
 
@@ -102,7 +103,7 @@ class HintedFetch:
             except RunnerUnavailable as exc:
                 return self._end(FetchStatus.UNREACHABLE, f"the runner was lost: {exc}")
             if outcome.done:
-                self._statuses[rank] = tuple(FetchStatus(s) for s in outcome.statuses)
+                self._statuses[rank] = tuple(outcome.statuses)
         if all(s is not None for s in self._statuses):
             return FetchSummary(self.run, tuple(s for s in self._statuses if s is not None))
         if self._clock() > self._give_up_at:
@@ -150,7 +151,7 @@ class HintedFetcher:
                                                  self.deadline_s))
         except RunnerUnavailable as exc:
             # the fetches already started end by their deadline; nothing waits for them
-            return Skipped.NOT_ALLOWED if exc.reason == "peer_not_allowed" else (
-                Skipped.UNAVAILABLE)
+            refused = exc.reason == RefusalReason.PEER_NOT_ALLOWED.value
+            return Skipped.NOT_ALLOWED if refused else Skipped.UNAVAILABLE
         return HintedFetch(self.clients, tickets, run,
                            self._clock() + self.deadline_s + _ANSWER_GRACE_S, self._clock)

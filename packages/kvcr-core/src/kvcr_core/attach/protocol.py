@@ -11,7 +11,9 @@ operation, in order. Anything else (unknown tag, wrong version, a second Hello, 
 before Hello, a seq that does not increase, too many ops or keys) closes the connection with
 a counted, logged reason; the server and its other clients are unaffected.
 
-Pure data and codecs; thread-safe.
+Reasons and statuses are enums (`CloseReason`, `RefusalReason`, kvcr_core.peers'
+`FetchStatus`); the message base and `PostHint` are shared with the peer protocol
+(kvcr_core.wire). Pure data and codecs; thread-safe.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import msgspec
 from kvcr_core.framing import FRAME_HEADER as FRAME_HEADER
 from kvcr_core.framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from kvcr_core.framing import FrameError as FrameError
-from kvcr_core.framing import frame
 from kvcr_core.framing import recv_frame as recv_frame
+from kvcr_core.peers.metrics import FetchStatus
+from kvcr_core.wire import Message
+from kvcr_core.wire import PostHint as PostHint
+from kvcr_core.wire import encode_frame as encode_frame
 
 PROTOCOL_VERSION: Final = 1
 MAX_OPS_PER_REQUEST: Final = 256
@@ -37,186 +42,8 @@ Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
 
 
-class _Msg(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-# -- client -> server -------------------------------------------------------------------------
-
-
-class Hello(_Msg, tag="hello"):
-    protocol: int
-    namespace: dict[str, Any]
-    block_bytes: int
-    identity: str
-    pid: int
-
-
-class Probe(_Msg, tag="probe"):
-    """An operator's status query (`kvcr status`): allowed instead of Hello, answered with
-    `StatusReport`, then the server closes the connection."""
-
-    protocol: int
-
-
-class Lookup(_Msg, tag="lookup"):
-    keys: Keys
-
-
-class Contains(_Msg, tag="contains"):
-    keys: Keys
-
-
-class Reserve(_Msg, tag="reserve"):
-    keys: Keys
-
-
-class Commit(_Msg, tag="commit"):
-    op: int
-
-
-class Abort(_Msg, tag="abort"):
-    op: int
-
-
-class Acquire(_Msg, tag="acquire"):
-    keys: Keys
-    prefix_only: bool = True
-
-
-class Release(_Msg, tag="release"):
-    op: int
-
-
-class Stats(_Msg, tag="stats"):
-    pass
-
-
-class Clear(_Msg, tag="clear"):
-    """Drop every READY, unleased block of the namespace (SGLang's storage `clear`)."""
-
-
-class PostHint(_Msg, tag="post_hint"):
-    """A KV hint for requests still to come (the Runner's `HintBoard`); answered by Count."""
-
-    envelope: Annotated[str, msgspec.Meta(max_length=1 << 20)]
-
-
-class HintSources(_Msg, tag="hint_sources"):
-    """Which posted hint names a source for each router hash; answered by `Sources`."""
-
-    hashes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
-                      msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
-
-
-class PeerFetch(_Msg, tag="peer_fetch"):
-    """Ask the Runner to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
-
-    endpoint: Annotated[str, msgspec.Meta(max_length=300)]
-    keys: Keys
-    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)]
-
-
-class PeerPoll(_Msg, tag="peer_poll"):
-    ticket: int
-
-
-Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
-      | PostHint | HintSources | PeerFetch | PeerPoll)
-
-
-class Request(_Msg, tag="request"):
-    seq: int
-    ops: Annotated[list[Op], msgspec.Meta(max_length=MAX_OPS_PER_REQUEST)]
-
-
-# -- server -> client -------------------------------------------------------------------------
-
-
-class Welcome(_Msg, tag="welcome"):
-    protocol: int
-    owner: int
-    namespace_digest: bytes
-    slot_bytes: int
-    stride_bytes: int
-    capacity_slots: int
-    region_bytes: int
-
-
-class Goodbye(_Msg, tag="goodbye"):
-    reason: str
-    detail: str
-
-
-class Count(_Msg, tag="count"):
-    n: int
-
-
-class Flags(_Msg, tag="flags"):
-    values: list[bool]
-
-
-class Slots(_Msg, tag="slots"):
-    op: int
-    slots: list[int]  # NO_SLOT where the key got none
-    granted: int
-    refused: int
-
-
-class Done(_Msg, tag="done"):
-    ok: bool
-
-
-class PoolStats(_Msg, tag="pool_stats"):
-    capacity_slots: int
-    ready_blocks: int
-    filling_blocks: int
-    free_slots: int
-    leased_slots: int
-    open_reservations: int
-    open_leases: int
-    evictions: int
-
-
-class StatusReport(_Msg, tag="status"):
-    json: str
-
-
-class Ticket(_Msg, tag="ticket"):
-    id: int
-
-
-class FetchOutcome(_Msg, tag="fetch_outcome"):
-    done: bool
-    statuses: list[str]  # per key, FetchStatus values, once done
-
-
-class Sources(_Msg, tag="sources"):
-    """`index[i]`: position in `endpoints` of hash i's hinted source, or -1."""
-
-    endpoints: list[str]
-    index: list[int]
-
-
-class Refused(_Msg, tag="refused"):
-    reason: str
-    detail: str
-
-
-Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Refused
-
-
-class Reply(_Msg, tag="reply"):
-    seq: int
-    results: list[Result]
-
-
-ClientMessage = Hello | Probe | Request
-ServerMessage = Welcome | Goodbye | Reply | StatusReport
-
-
 class CloseReason(enum.Enum):
-    """Why the server closed a connection (bounded metrics label)."""
+    """Why the server closed a connection (told in `Goodbye`; a bounded metrics label)."""
 
     EOF = "eof"
     OVERSIZED_FRAME = "oversized_frame"
@@ -231,13 +58,185 @@ class CloseReason(enum.Enum):
     CLIENT_DIED = "client_died"
 
 
-_encoder = msgspec.msgpack.Encoder()
+class RefusalReason(enum.Enum):
+    """Why the server refused one operation (`Refused`); the connection stays up."""
+
+    PEERS_OFF = "peers_off"  # this Runner fetches from no peers
+    PEER_NOT_ALLOWED = "peer_not_allowed"  # the endpoint is not one of its peers
+    BUSY = "busy"  # too many of this client's fetches in flight
+    UNKNOWN_TICKET = "unknown_ticket"
+
+
+# -- client -> server -------------------------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    protocol: int
+    namespace: dict[str, Any]
+    block_bytes: int
+    identity: str
+    pid: int
+
+
+class Probe(Message, tag="probe"):
+    """An operator's status query (`kvcr status`): allowed instead of Hello, answered with
+    `StatusReport`, then the server closes the connection."""
+
+    protocol: int
+
+
+class Lookup(Message, tag="lookup"):
+    keys: Keys
+
+
+class Contains(Message, tag="contains"):
+    keys: Keys
+
+
+class Reserve(Message, tag="reserve"):
+    keys: Keys
+
+
+class Commit(Message, tag="commit"):
+    op: int
+
+
+class Abort(Message, tag="abort"):
+    op: int
+
+
+class Acquire(Message, tag="acquire"):
+    keys: Keys
+    prefix_only: bool = True
+
+
+class Release(Message, tag="release"):
+    op: int
+
+
+class Stats(Message, tag="stats"):
+    pass
+
+
+class Clear(Message, tag="clear"):
+    """Drop every READY, unleased block of the namespace (SGLang's storage `clear`)."""
+
+
+class HintSources(Message, tag="hint_sources"):
+    """Which posted hint names a source for each router hash; answered by `Sources`."""
+
+    hashes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                      msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
+
+
+class PeerFetch(Message, tag="peer_fetch"):
+    """Ask the Runner to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
+
+    endpoint: Annotated[str, msgspec.Meta(max_length=300)]
+    keys: Keys
+    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)]
+
+
+class PeerPoll(Message, tag="peer_poll"):
+    ticket: int
+
+
+Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
+      | PostHint | HintSources | PeerFetch | PeerPoll)
+
+
+class Request(Message, tag="request"):
+    seq: int
+    ops: Annotated[list[Op], msgspec.Meta(max_length=MAX_OPS_PER_REQUEST)]
+
+
+# -- server -> client -------------------------------------------------------------------------
+
+
+class Welcome(Message, tag="welcome"):
+    protocol: int
+    owner: int
+    namespace_digest: bytes
+    slot_bytes: int
+    stride_bytes: int
+    capacity_slots: int
+    region_bytes: int
+
+
+class Goodbye(Message, tag="goodbye"):
+    reason: CloseReason
+    detail: str
+
+
+class Count(Message, tag="count"):
+    n: int
+
+
+class Flags(Message, tag="flags"):
+    values: list[bool]
+
+
+class Slots(Message, tag="slots"):
+    op: int
+    slots: list[int]  # NO_SLOT where the key got none
+    granted: int
+    refused: int
+
+
+class Done(Message, tag="done"):
+    ok: bool
+
+
+class PoolStats(Message, tag="pool_stats"):
+    capacity_slots: int
+    ready_blocks: int
+    filling_blocks: int
+    free_slots: int
+    leased_slots: int
+    open_reservations: int
+    open_leases: int
+    evictions: int
+
+
+class StatusReport(Message, tag="status"):
+    json: str
+
+
+class Ticket(Message, tag="ticket"):
+    id: int
+
+
+class FetchOutcome(Message, tag="fetch_outcome"):
+    done: bool
+    statuses: list[FetchStatus]  # per key, once done
+
+
+class Sources(Message, tag="sources"):
+    """`index[i]`: position in `endpoints` of hash i's hinted source, or -1."""
+
+    endpoints: list[str]
+    index: list[int]
+
+
+class Refused(Message, tag="refused"):
+    reason: RefusalReason
+    detail: str
+
+
+Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Refused
+
+
+class Reply(Message, tag="reply"):
+    seq: int
+    results: list[Result]
+
+
+ClientMessage = Hello | Probe | Request
+ServerMessage = Welcome | Goodbye | Reply | StatusReport
+
+
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
-
-
-def encode_frame(message: _Msg) -> bytes:
-    return frame(_encoder.encode(message))
 
 
 def decode_client(payload: bytes | bytearray | memoryview) -> Hello | Probe | Request:

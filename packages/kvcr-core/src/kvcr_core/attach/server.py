@@ -292,7 +292,7 @@ class AttachServer:
                 goodbye: bool = True) -> None:
         if goodbye:
             with contextlib.suppress(OSError):
-                conn.sock.send(p.encode_frame(p.Goodbye(reason.value, detail)))
+                conn.sock.send(p.encode_frame(p.Goodbye(reason, detail)))
         self._close(conn, reason, detail)
 
     def _close(self, conn: _Conn, reason: CloseReason, detail: str) -> None:

@@ -20,7 +20,7 @@ import msgspec
 
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.metrics import AttachMetrics
-from kvcr_core.attach.protocol import CloseReason
+from kvcr_core.attach.protocol import CloseReason, RefusalReason
 from kvcr_core.errors import CapacityError, ConfigError
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.peers import PeerClient
@@ -158,13 +158,15 @@ class ClientSession:
 
     def _peer_fetch(self, op: p.PeerFetch, store: NamespaceStore) -> p.Result:
         if self._peers is None:
-            return p.Refused("peers_off", "this kvcr runner fetches from no peers (peers / --peer)")
+            return p.Refused(RefusalReason.PEERS_OFF,
+                             "this kvcr runner fetches from no peers (peers / --peer)")
         client = self._peers(store, op.endpoint)
         if client is None:
-            return p.Refused("peer_not_allowed",
+            return p.Refused(RefusalReason.PEER_NOT_ALLOWED,
                              f"{op.endpoint} is not a peer of this kvcr runner (peers / --peer)")
         if len(self._tickets) >= _MAX_TICKETS:
-            return p.Refused("busy", f"{_MAX_TICKETS} fetches of this client are in flight")
+            return p.Refused(RefusalReason.BUSY,
+                             f"{_MAX_TICKETS} fetches of this client are in flight")
         self._next_ticket += 1
         self._tickets[self._next_ticket] = client.fetch_async(
             op.endpoint, op.keys, op.deadline_ms / 1000)  # type: ignore[arg-type]
@@ -185,12 +187,12 @@ class ClientSession:
     def _peer_poll(self, op: p.PeerPoll) -> p.Result:
         handle = self._tickets.get(op.ticket)
         if handle is None:
-            return p.Refused("unknown_ticket", f"no fetch {op.ticket} of this client")
+            return p.Refused(RefusalReason.UNKNOWN_TICKET, f"no fetch {op.ticket} of this client")
         result = handle.poll()
         if result is None:
             return p.FetchOutcome(False, [])
         del self._tickets[op.ticket]
-        return p.FetchOutcome(True, [s.value for s in result.statuses])
+        return p.FetchOutcome(True, list(result.statuses))
 
     def close(self) -> tuple[int, int]:
         """The client is gone: abort its writes, release its reads. READY blocks stay."""

@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from kvcr_core.cli.bench_peer_node import BATCH
-from kvcr_core.peers.nixl_transport import nixl_installed
+from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.testing import network_namespaces
 
 TARGETS = {"tcp_ratio_vs_raw_256k": 0.80, "nixl_ratio_vs_raw_256k": 0.80}

@@ -1,16 +1,27 @@
 """Peers: destination-initiated block transfer between Runners on different nodes.
 
 `PeerServer` serves a Runner's READY blocks to authenticated peers; `PeerClient` fetches
-blocks from one into reserved local slots, over TCP or, when both sides have it, NIXL
-(`nixl_transport`, the only module that imports nixl). Protocol and security model:
-docs/peers.md.
+blocks from one into reserved local slots. How block bytes travel is a `PeerTransport`'s:
+`TcpTransport` (always), `NixlTransport` (opt-in; kvcr_core.peers.nixl_engine is the only
+module that imports nixl), or kvcr_core.testing's in-process `LoopbackTransport`. Protocol and
+security model: docs/peers.md.
+
+This is the package's public API; its submodules are internals.
 """
 
 from kvcr_core.peers.auth import PeerSecret
-from kvcr_core.peers.client import FetchResult, PeerClient
+from kvcr_core.peers.client import FetchHandle, FetchResult, PeerClient
+from kvcr_core.peers.connection import PeerRefused
+from kvcr_core.peers.inventory_reader import InventoryReader
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
+from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.reads import NixlTransport, ReadTransport
 from kvcr_core.peers.server import PeerServer
+from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
+from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 
-__all__ = ["FetchResult", "FetchStatus", "PeerClient", "PeerMetrics", "PeerSecret", "PeerServer",
-           "PeerTLS"]
+__all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryReader", "NixlTransport",
+           "PeerClient", "PeerMetrics", "PeerRefused", "PeerSecret", "PeerServer", "PeerTLS",
+           "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "Transport",
+           "TransportError"]

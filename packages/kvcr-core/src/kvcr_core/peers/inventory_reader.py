@@ -18,7 +18,7 @@ from kvcr_core.hints import Endpoint
 from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
-from kvcr_core.peers.client import PeerRefused, authenticate
+from kvcr_core.peers.connection import PeerRefused, authenticate
 
 R = TypeVar("R", pp.InventoryReply, pp.HintPosted)
 

@@ -33,7 +33,8 @@ class PeerMetrics(LightMetrics):
         self.fetched = {s.value: 0 for s in FetchStatus}
         self.fetched_bytes = self.served_blocks = self.served_bytes = 0
         self.refused = {r.value: 0 for r in RefuseReason}
-        self.connections = {t.value: 0 for t in Transport}
+        # production transports from the start; the loopback of tests once it is used
+        self.connections = {t.value: 0 for t in (Transport.TCP, Transport.NIXL)}
         self.register()
 
     def on_fetch(self, counts: dict[FetchStatus, int], received_bytes: int) -> None:
@@ -49,7 +50,7 @@ class PeerMetrics(LightMetrics):
 
     def on_connection(self, transport: Transport) -> None:
         with self.lock:
-            self.connections[transport.value] += 1
+            self.connections[transport.value] = self.connections.get(transport.value, 0) + 1
 
     def on_refused(self, reason: RefuseReason) -> None:
         with self.lock:

@@ -30,6 +30,10 @@ while this peer reads, until a FetchDone says otherwise.
 The destination verifies every block against the source's checksum and publishes only blocks
 that match; a transfer cut short keeps the blocks that arrived whole and verified. Optional
 trailing fields keep version-1 peers without NIXL compatible both ways.
+How block bytes travel is each transport's (kvcr_core.peers.transport): TCP streams them on
+this connection; NIXL and the in-process loopback transport of kvcr_core.testing read them
+from the addresses in NixlBlocks. Refusal reasons and the chosen transport are enums; the
+message base and `PostHint` are shared with the attach protocol (kvcr_core.wire).
 Pure data and codecs; thread-safe.
 """
 
@@ -42,7 +46,8 @@ from typing import Annotated, Final
 import msgspec
 import xxhash
 
-from kvcr_core.framing import frame
+from kvcr_core.wire import Message, encode_frame
+from kvcr_core.wire import PostHint as PostHint
 
 PEER_PROTOCOL_VERSION: Final = 1
 MAX_KEYS_PER_FETCH: Final = 4096
@@ -55,16 +60,12 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 
 
-class _Msg(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class Hello(_Msg, tag="hello"):
+class Hello(Message, tag="hello"):
     version: int
     nonce: Nonce
 
 
-class Challenge(_Msg, tag="challenge"):
+class Challenge(Message, tag="challenge"):
     version: int
     nonce: Nonce
     mac: Mac
@@ -75,95 +76,7 @@ class Transport(enum.Enum):
 
     TCP = "tcp"
     NIXL = "nixl"
-
-
-class Auth(_Msg, tag="auth"):
-    mac: Mac
-    namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
-    block_bytes: int
-    transports: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # offered beyond TCP
-    features: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # protocol features offered
-
-
-class Ready(_Msg, tag="ready"):
-    transport: str = Transport.TCP.value
-    nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
-    features: Annotated[list[str], msgspec.Meta(max_length=8)] = []  # of those offered
-
-
-class Refused(_Msg, tag="refused"):
-    reason: str
-    detail: str
-
-
-class Fetch(_Msg, tag="fetch"):
-    seq: int
-    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
-
-
-class Blocks(_Msg, tag="blocks"):
-    seq: int
-    found: list[bool]
-
-
-class NixlBlocks(_Msg, tag="nixl_blocks"):
-    """The answer to a Fetch on a NIXL connection: for each found key, in order, where its
-    bytes lie in the source's registered pool and their checksum (with late_checksums, those
-    of the first found keys only). Leased until FetchDone."""
-
-    seq: int
-    found: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
-    addresses: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
-    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
-
-
-class NixlChecksums(_Msg, tag="nixl_checksums"):
-    """More checksums for NixlBlocks `seq` (late_checksums): of its found blocks `start`,
-    `start + 1`, ..."""
-
-    seq: int
-    start: int
-    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
-
-
-class FetchDone(_Msg, tag="fetch_done"):
-    """The destination no longer reads the blocks of NixlBlocks `seq`: the source releases.
-    `inline`: each of its READs was done when posted (the copy ran in the reader's own call,
-    as UCX's cma does), so the source need not drive progress while this peer reads."""
-
-    seq: int
-    inline: bool = False
-
-
-class Inventory(_Msg, tag="inventory"):
-    """Inventory batches after `since` (a router polling what this runner stored/removed)."""
-
-    since: int
-    max_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_INVENTORY_BATCHES)]
-
-
-class InventoryBatchMsg(_Msg, tag="batch"):
-    seq: int
-    namespace: bytes
-    stored: list[int]
-    removed: list[int]
-
-
-class InventoryReply(_Msg, tag="inventory_reply"):
-    reset: bool  # the reader fell behind the log: forget this runner's blocks, then rebuild
-    epoch: int  # changes when the runner restarts (then sequence numbers start over)
-    last_seq: int
-    batches: list[InventoryBatchMsg]
-
-
-class PostHint(_Msg, tag="post_hint"):
-    """A KV hint for requests still to come on this runner's engines (a router's push)."""
-
-    envelope: Annotated[str, msgspec.Meta(max_length=1 << 20)]
-
-
-class HintPosted(_Msg, tag="hint_posted"):
-    hashes: int  # block hashes remembered (0: rejected; counted in kvcr_hints_total)
+    LOOPBACK = "loopback"  # both ends in one process (kvcr_core.testing.LoopbackTransport)
 
 
 class RefuseReason(enum.Enum):
@@ -176,17 +89,100 @@ class RefuseReason(enum.Enum):
     BUSY = "busy"
 
 
+class Auth(Message, tag="auth"):
+    mac: Mac
+    namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
+    block_bytes: int
+    # offered beyond TCP, and protocol features offered
+    transports: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(
+        default_factory=list)
+    features: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(
+        default_factory=list)
+
+
+class Ready(Message, tag="ready"):
+    transport: Transport = Transport.TCP
+    nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
+    features: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(
+        default_factory=list)  # of those offered
+
+
+class Refused(Message, tag="refused"):
+    reason: RefuseReason
+    detail: str
+
+
+class Fetch(Message, tag="fetch"):
+    seq: int
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class Blocks(Message, tag="blocks"):
+    seq: int
+    found: list[bool]
+
+
+class NixlBlocks(Message, tag="nixl_blocks"):
+    """The answer to a Fetch on a NIXL connection: for each found key, in order, where its
+    bytes lie in the source's registered pool and their checksum (with late_checksums, those
+    of the first found keys only). Leased until FetchDone."""
+
+    seq: int
+    found: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    addresses: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class NixlChecksums(Message, tag="nixl_checksums"):
+    """More checksums for NixlBlocks `seq` (late_checksums): of its found blocks `start`,
+    `start + 1`, ..."""
+
+    seq: int
+    start: int
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class FetchDone(Message, tag="fetch_done"):
+    """The destination no longer reads the blocks of NixlBlocks `seq`: the source releases.
+    `inline`: each of its READs was done when posted (the copy ran in the reader's own call,
+    as UCX's cma does), so the source need not drive progress while this peer reads."""
+
+    seq: int
+    inline: bool = False
+
+
+class Inventory(Message, tag="inventory"):
+    """Inventory batches after `since` (a router polling what this runner stored/removed)."""
+
+    since: int
+    max_batches: Annotated[int, msgspec.Meta(ge=1, le=MAX_INVENTORY_BATCHES)]
+
+
+class InventoryBatchMsg(Message, tag="batch"):
+    seq: int
+    namespace: bytes
+    stored: list[int]
+    removed: list[int]
+
+
+class InventoryReply(Message, tag="inventory_reply"):
+    reset: bool  # the reader fell behind the log: forget this runner's blocks, then rebuild
+    epoch: int  # changes when the runner restarts (then sequence numbers start over)
+    last_seq: int
+    batches: list[InventoryBatchMsg]
+
+
+class HintPosted(Message, tag="hint_posted"):
+    hashes: int  # block hashes remembered (0: rejected; counted in kvcr_hints_total)
+
+
+encode = encode_frame
 ToServer = Hello | Auth | Fetch | FetchDone | Inventory | PostHint
 ToClient = (Challenge | Ready | Refused | Blocks | NixlBlocks | NixlChecksums | InventoryReply
             | HintPosted)
 
-_encoder = msgspec.msgpack.Encoder()
 _server_decoder = msgspec.msgpack.Decoder(ToServer)
 _client_decoder = msgspec.msgpack.Decoder(ToClient)
-
-
-def encode(message: _Msg) -> bytes:
-    return frame(_encoder.encode(message))
 
 
 def decode_to_server(payload: bytes | bytearray) -> ToServer:

@@ -1,4 +1,4 @@
-"""`PeerServer`: serves a Runner's READY blocks to authenticated peers, over TCP or NIXL.
+"""`PeerServer`: serves a Runner's READY blocks to authenticated peers.
 
 Threading: one accept thread, one thread per connection (bounded by `max_connections`; more
 are refused as busy), each blocking with an I/O deadline so a silent peer costs a thread for
@@ -8,16 +8,10 @@ computed once per slot generation and reused (`SlotChecksums`). The server keeps
 whatever happens to the engines attached to the same Runner (in kvcr-guard it lives in the
 daemon).
 
-NIXL (when the destination offers it, this process has it running, and TLS is off): the pool
-region of a namespace is registered once; a Fetch is answered with the blocks' addresses and
-checksums, and the lease is held until the destination's FetchDone (or the connection ends).
-With late_checksums (both sides name it) the answer goes out at once with the checksums
-already known, and the others follow, 1 MiB of blocks at a time, while the destination reads.
-NIXL's progress thread is off, so while a NIXL peer may be connecting or reading, its
-connection thread drives progress between polls of the socket: every 0.1 ms while the peer
-reads (UCX over TCP moves bytes only then), else backing off to 50 ms (connection set-up,
-keep-alives), which is also the pace once the peer's FetchDone says its READs copy in its own
-calls (UCX cma on one host: polling there only took CPU from the reader's copies).
+Transports (kvcr_core.peers.transport): TCP always; another (`transports`, e.g. NIXL with
+`nixl=True`; never with TLS) when the destination offers it and it can expose the
+namespace's pool now (exposed once per namespace, undone at `close`). How a Fetch is answered
+and how the connection waits for the next message are the chosen transport's.
 """
 
 from __future__ import annotations
@@ -27,28 +21,27 @@ import itertools
 import logging
 import socket
 import threading
-import time
-from typing import Final
+from collections.abc import Sequence
 
 import msgspec
 
 from kvcr_core.errors import UnknownNamespaceError
-from kvcr_core.framing import FrameError, readable, recv_frame, send_all
+from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.checksums import SlotChecksums
+from kvcr_core.peers.connection import SourceConnection
 from kvcr_core.peers.metrics import PeerMetrics
-from kvcr_core.peers.nixl_transport import NixlEngine, NixlError, nixl_installed
+from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.peers.protocol import RefuseReason, Transport
+from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
+from kvcr_core.peers.transport import PeerTransport
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.peers")
 _PEER_OWNER_BASE = 1 << 40  # owner ids of peer connections never clash with guard clients
-_READING_PROGRESS_S: Final = 0.0001  # a peer is reading: UCX over a network needs us often
-_IDLE_PROGRESS_MAX_S: Final = 0.05  # between fetches: connection set-up and keep-alives only
-_SEND_GROUP_BYTES: Final = 1 << 20  # blocks per gather send (their checksums come first)
 
 
 class _Refuse(Exception):
@@ -59,24 +52,29 @@ class _Refuse(Exception):
 
 
 class PeerServer:
-    """Serves `runner`'s namespaces. `nixl=True` (opt-in: NIXL registers the whole namespace
-    pool with no read-only mode, so an authenticated peer could also write it) offers NIXL
-    reads to peers that ask; otherwise every connection stays on TCP."""
+    """Serves `runner`'s namespaces. `transports`: those it may use beyond TCP, in order of
+    preference; `nixl=True` adds NIXL where it is installed (opt-in: NIXL registers the whole
+    namespace pool with no read-only mode, so an authenticated peer could also write it).
+    With TLS every connection stays on TCP."""
 
     def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
                  io_timeout_s: float = 30.0, tls: PeerTLS | None = None,
-                 nixl: bool = False) -> None:
+                 nixl: bool = False, transports: Sequence[PeerTransport] = ()) -> None:
         self.runner = runner
         self.secret = secret
         self.metrics = metrics
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
         self._tls = tls.server_context() if tls is not None else None
-        # NIXL moves bytes outside the TLS channel, so TLS keeps everything on TCP.
-        self.nixl = NixlEngine.shared() if nixl and tls is None and nixl_installed() else None
-        if self.nixl is not None:
-            self.nixl.start()
+        extra = list(transports)
+        if nixl and nixl_installed() and not any(t.kind is Transport.NIXL for t in extra):
+            from kvcr_core.peers.reads import NixlTransport
+
+            extra.append(NixlTransport())
+        # other transports move bytes outside the TLS channel: TLS keeps everything on TCP
+        self.transports: list[PeerTransport] = [] if tls is not None else extra
+        self._tcp = TcpTransport()
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.host, self.port = self._listener.getsockname()[:2]
         self._conns: set[socket.socket] = set()
@@ -84,8 +82,9 @@ class PeerServer:
         self._lock = threading.Lock()
         self._owners = itertools.count(_PEER_OWNER_BASE)
         self._sums: dict[NamespaceDigest, SlotChecksums] = {}  # one per namespace served
-        # namespace -> (pool address, pool bytes, the NIXL metadata a peer needs to read it)
-        self._registered: dict[NamespaceDigest, tuple[int, int, bytes]] = {}
+        # (transport, namespace) -> what a peer needs to reach the exposed pool
+        self._exposed: dict[tuple[Transport, NamespaceDigest], tuple[PeerTransport,
+                                                                      NamespaceStore, bytes]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvcr-peer-accept",
                                         daemon=True)
@@ -107,15 +106,14 @@ class PeerServer:
         self._thread.join(timeout=5)
         with self._lock:
             conns, workers = list(self._conns), list(self._workers)
-            registered, self._registered = self._registered, {}
+            exposed, self._exposed = self._exposed, {}
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         for worker in workers:
             worker.join(timeout=5)
-        if self.nixl is not None:
-            for address, nbytes, _ in registered.values():
-                self.nixl.deregister(address, nbytes)
+        for transport, store, _ in exposed.values():
+            transport.unexpose(store)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -143,57 +141,65 @@ class PeerServer:
 
     def _serve(self, raw: socket.socket) -> None:
         owner = OwnerId(next(self._owners))
-        conn = raw
+        sock = raw
         try:
             if self._tls is not None:
-                conn = self._tls.wrap_socket(raw, server_side=True)
-            store, nixl, late = self._handshake(conn)
-            inline = False  # the peer's last FetchDone: its READs copied in its own calls
+                sock = self._tls.wrap_socket(raw, server_side=True)
+            conn = self._handshake(sock, owner)
             while True:
-                message = pp.decode_to_server(self._next_frame(conn, nixl))
+                if conn is None:  # an inventory reader (a router)
+                    message = pp.decode_to_server(recv_frame(sock)[0])
+                else:
+                    message = pp.decode_to_server(conn.transport.next_frame(conn))
                 if isinstance(message, pp.Inventory):
-                    self._inventory(conn, message)
+                    self._inventory(sock, message)
                 elif isinstance(message, pp.PostHint):
-                    conn.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
-                elif isinstance(message, pp.Fetch) and store is not None:
-                    if nixl:
-                        inline = self._fetch_nixl(conn, store, message, owner, late, inline)
-                    else:
-                        self._fetch(conn, store, message, owner)
+                    sock.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
+                elif isinstance(message, pp.Fetch) and conn is not None:
+                    conn.transport.send(conn, message)
                 else:
                     raise _Refuse(RefuseReason.MALFORMED, "expected Fetch, Inventory or PostHint")
         except _Refuse as exc:
-            self._refuse(conn, exc.reason, exc.detail)
+            self._refuse(sock, exc.reason, exc.detail)
         except (msgspec.MsgspecError, FrameError) as exc:
-            self._refuse(conn, RefuseReason.MALFORMED, str(exc))
+            self._refuse(sock, RefuseReason.MALFORMED, str(exc))
         except OSError:
             pass  # the peer went away, went silent past the deadline, or failed TLS
         finally:
             with self._lock:
                 self._conns.discard(raw)
                 self._workers.discard(threading.current_thread())
-            conn.close()
+            sock.close()
 
-    def _handshake(self, conn: socket.socket) -> tuple[NamespaceStore | None, bool, bool]:
-        """(the peer's namespace, or None for an inventory reader; whether it uses NIXL;
-        whether checksums may follow NixlBlocks: feature late_checksums)."""
-        hello = pp.decode_to_server(recv_frame(conn)[0])
+    def _handshake(self, sock: socket.socket, owner: OwnerId) -> SourceConnection | None:
+        """The peer's connection in its namespace, on the transport both agree on; None for
+        an inventory reader."""
+        hello = pp.decode_to_server(recv_frame(sock)[0])
         if not isinstance(hello, pp.Hello):
             raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
         if hello.version != pp.PEER_PROTOCOL_VERSION:
             raise _Refuse(RefuseReason.VERSION, f"peer speaks {hello.version}, this runner "
                           f"{pp.PEER_PROTOCOL_VERSION}: run matching kvcr versions")
         nonce = new_nonce()
-        conn.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce,
+        sock.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce,
                                             self.secret.prove(b"server", nonce, hello.nonce))))
-        auth = pp.decode_to_server(recv_frame(conn)[0])
+        auth = pp.decode_to_server(recv_frame(sock)[0])
         if not isinstance(auth, pp.Auth):
             raise _Refuse(RefuseReason.MALFORMED, "expected Auth")
         if not self.secret.check(b"client", hello.nonce, nonce, auth.mac):
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
-        if not auth.namespace:  # an inventory reader (a router)
-            conn.sendall(pp.encode(pp.Ready()))
-            return None, False, False
+        if not auth.namespace:
+            sock.sendall(pp.encode(pp.Ready()))
+            return None
+        store = self._namespace(auth)
+        transport, reach = self._choose(store, auth.transports)
+        features = frozenset(auth.features) & frozenset(transport.features)
+        sock.sendall(pp.encode(pp.Ready(transport.kind, reach, sorted(features))))
+        self.metrics.on_connection(transport.kind)
+        return SourceConnection(sock, store, owner, transport, self._checksums(store),
+                                self.metrics, self.io_timeout_s, features)
+
+    def _namespace(self, auth: pp.Auth) -> NamespaceStore:
         if len(auth.namespace) != 16:
             raise _Refuse(RefuseReason.MALFORMED, "a namespace digest is 16 bytes")
         try:
@@ -204,106 +210,25 @@ class PeerServer:
         if store.block_bytes != auth.block_bytes:
             raise _Refuse(RefuseReason.NAMESPACE, f"blocks here are {store.block_bytes} bytes, "
                           f"the peer expects {auth.block_bytes}")
-        region = self._nixl_region(store) if Transport.NIXL.value in auth.transports else None
-        nixl = region is not None
-        late = nixl and pp.LATE_CHECKSUMS in auth.features
-        if region is not None:
-            conn.sendall(pp.encode(pp.Ready(Transport.NIXL.value, region[2],
-                                            [pp.LATE_CHECKSUMS] if late else [])))
-        else:
-            conn.sendall(pp.encode(pp.Ready()))
-        self.metrics.on_connection(Transport.NIXL if nixl else Transport.TCP)
-        return store, nixl, late
+        return store
 
-    def _next_frame(self, conn: socket.socket, nixl: bool, reading: bool = False) -> bytearray:
-        """The next frame. On a NIXL connection NIXL progress is driven while waiting for it:
-        every 0.1 ms while the peer is `reading` (UCX over TCP serves reads only when the
-        source progresses; over cma or RDMA it costs a few percent of a core), backing off to
-        50 ms when idle."""
-        if nixl and self.nixl is not None:
-            end = time.monotonic() + self.io_timeout_s
-            pause = _READING_PROGRESS_S if reading else 0.001
-            while not readable(conn, pause):
-                self.nixl.progress()
-                if time.monotonic() >= end:
-                    raise TimeoutError("peer silent past the I/O deadline")
-                if not reading:
-                    pause = min(pause * 2, _IDLE_PROGRESS_MAX_S)
-        return recv_frame(conn)[0]
-
-    # -- requests ------------------------------------------------------------------------------
-
-    def _fetch(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
-               owner: OwnerId) -> None:
-        lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
-        try:
-            view, sums, pack = store.pool.view, self._checksums(store).of, pp.CHECKSUM.pack
-            slots = [s for s in lease.slots if s is not None]
-            out: list[bytes | memoryview] = [
-                pp.encode(pp.Blocks(fetch.seq, [s is not None for s in lease.slots]))]
-            per_send = max(1, _SEND_GROUP_BYTES // store.block_bytes)
-            for start in range(0, len(slots), per_send):
-                for slot in slots[start:start + per_send]:
-                    out += (view(slot), pack(sums(slot)))
-                send_all(conn, out)  # few system calls, few wake-ups of the destination
-                out = []
-            if out:
-                send_all(conn, out)
-            self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
-        finally:
-            store.release(lease.op)
-
-    def _fetch_nixl(self, conn: socket.socket, store: NamespaceStore, fetch: pp.Fetch,
-                    owner: OwnerId, late: bool, inline: bool) -> bool:
-        """Tells where the blocks lie; the destination READs them, then says FetchDone. With
-        `late` (late_checksums) the answer goes out at once with the checksums already known,
-        and the others follow group by group while the destination reads. While it reads,
-        NIXL progress is driven often, unless its last FetchDone said its READs copy in its
-        own calls (`inline`: UCX cma on one host), which need none from us. Returns what this
-        fetch's FetchDone says."""
-        region = self._nixl_region(store)
-        if region is None:
-            raise ConnectionAbortedError("the server is closing")
-        base = region[0]
-        lease = store.acquire(fetch.keys, owner, prefix_only=False)  # type: ignore[arg-type]
-        try:
-            stride, sums = store.pool.stride_bytes, self._checksums(store)
-            slots = [s for s in lease.slots if s is not None]  # leased: inside the pool
-            known = sums.known(slots) if late else [sums.of(s) for s in slots]
-            conn.sendall(pp.encode(pp.NixlBlocks(
-                fetch.seq, [s is not None for s in lease.slots],
-                [base + s * stride for s in slots], known)))
-            per_group = max(1, _SEND_GROUP_BYTES // store.block_bytes)
-            for start in range(len(known), len(slots), per_group):
-                group = [sums.of(s) for s in slots[start:start + per_group]]
-                conn.sendall(pp.encode(pp.NixlChecksums(fetch.seq, start, group)))
-                if self.nixl is not None and not inline:
-                    self.nixl.progress()  # UCX over TCP serves the reads only when we do
-            done = pp.decode_to_server(self._next_frame(conn, nixl=True, reading=not inline))
-            if not isinstance(done, pp.FetchDone) or done.seq != fetch.seq:
-                raise _Refuse(RefuseReason.MALFORMED, f"expected FetchDone({fetch.seq})")
-            self.metrics.on_served(len(slots), len(slots) * store.block_bytes)
-            return done.inline
-        finally:
-            store.release(lease.op)
-
-    def _nixl_region(self, store: NamespaceStore) -> tuple[int, int, bytes] | None:
-        """The namespace's pool address, size and NIXL metadata (registered once); None: use
-        TCP."""
-        if self.nixl is None or not self.nixl.ready():
-            return None
-        with self._lock:
-            registered = self._registered.get(store.digest)
-            if registered is None and not self._closed:
-                region = store.pool.region
-                try:
-                    metadata = self.nixl.register(region.address, region.size_bytes)
-                except NixlError as exc:
-                    log.warning("peers of %s use TCP: %s", store.digest.hex(), exc)
-                    return None
-                registered = self._registered[store.digest] = (region.address,
-                                                               region.size_bytes, metadata)
-            return registered
+    def _choose(self, store: NamespaceStore,
+                offered: Sequence[str]) -> tuple[PeerTransport, bytes]:
+        """The first of our transports the peer offered that can expose `store` now (and
+        what the peer needs to reach it); else TCP."""
+        for transport in self.transports:
+            if transport.kind.value not in offered:
+                continue
+            key = (transport.kind, store.digest)
+            with self._lock:
+                exposed = self._exposed.get(key)
+                if exposed is None and not self._closed:
+                    reach = transport.expose(store)
+                    if reach is not None:
+                        exposed = self._exposed[key] = (transport, store, reach)
+            if exposed is not None:
+                return transport, exposed[2]
+        return self._tcp, b""
 
     def _checksums(self, store: NamespaceStore) -> SlotChecksums:
         sums = self._sums.get(store.digest)
@@ -312,9 +237,9 @@ class PeerServer:
                 sums = self._sums.setdefault(store.digest, SlotChecksums(store))
         return sums
 
-    def _inventory(self, conn: socket.socket, request: pp.Inventory) -> None:
+    def _inventory(self, sock: socket.socket, request: pp.Inventory) -> None:
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)
-        conn.sendall(pp.encode(pp.InventoryReply(
+        sock.sendall(pp.encode(pp.InventoryReply(
             reset, self.runner.inventory.epoch, self.runner.inventory.last_seq,
             [pp.InventoryBatchMsg(b.seq, b.namespace, b.stored.tolist(), b.removed.tolist())
              for b in batches])))
@@ -323,4 +248,4 @@ class PeerServer:
         self.metrics.on_refused(reason)
         log.warning("peer connection refused (%s): %s", reason.value, detail)
         with contextlib.suppress(OSError):
-            conn.sendall(pp.encode(pp.Refused(reason.value, detail)))
+            conn.sendall(pp.encode(pp.Refused(reason, detail)))

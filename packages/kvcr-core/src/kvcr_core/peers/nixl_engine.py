@@ -1,7 +1,8 @@
 """The NIXL seam: the only module that imports nixl, and only when a peer asks for it.
 
-`NixlEngine.shared()` is the process's one NIXL agent (UCX backend, DRAM only), shared by the
-`PeerServer` and every `PeerClient` of the process. It is started once, in the background
+`NixlEngine.shared()` is the process's one NIXL agent (UCX backend, DRAM only), shared by every
+`NixlTransport` (kvcr_core.peers.reads) of the process: the `PeerServer`'s and every
+`PeerClient`'s. It is started once, in the background
 (`start()`: importing nixl and creating the agent take about a second and hold the GIL for
 part of it); until it is ready, peers use TCP. Pool regions are registered once each
 (reference-counted); remote agents are loaded from metadata received on an authenticated
@@ -51,9 +52,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvcr_core.errors import KVCRError
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers.lanes import ReadLanes
+from kvcr_core.peers.transport import ReadRefused, TransportError
 
 log = logging.getLogger("kvcr_core.peers")
 _FLAVOURS = ("nixl_cu13", "nixl_cu12")  # the meta package's own order when no CUDA is found
@@ -61,12 +62,12 @@ _POLL_MAX_S = 0.0001  # UCX over TCP moves data only while the reader polls
 _LANES = 2  # read lanes (and UCX workers) by default: see kvcr_core.peers.lanes
 
 
-class NixlError(KVCRError):
+class NixlError(TransportError):
     """NIXL could not start, register memory, or complete a transfer (the peer falls back to
     TCP, or the blocks of the failed transfer are dropped unpublished)."""
 
 
-class NixlRequestRefused(NixlError):
+class NixlRequestRefused(NixlError, ReadRefused):
     """NIXL refused a read before moving anything: the source named addresses outside what it
     registered (the source's fault), or its agent is not loaded here."""
 
@@ -124,13 +125,12 @@ class NixlEngine:
     _shared: ClassVar[NixlEngine | None] = None
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, chunk_bytes: int = 1 << 20, lanes: int | None = None) -> None:
+    def __init__(self, lanes: int | None = None) -> None:
         if lanes is None:  # two copies at once where there are two CPUs to run them
             lanes = min(_LANES, len(os.sched_getaffinity(0)))
         if lanes < 1:
             raise ValueError("a NIXL engine needs at least one lane")
         self.name = f"kvcr-{os.getpid()}-{secrets.token_hex(4)}"
-        self.chunk_bytes = chunk_bytes  # the largest READ a PeerClient posts (read_plan)
         self.lanes = lanes  # UCX workers, and the threads that READ fetches (read_lanes)
         self.read_lanes = ReadLanes(0)  # bound lane threads once started
         self.state = EngineState.IDLE

@@ -1,0 +1,24 @@
+"""Test doubles and helpers shipped with the product (the `trio.testing` pattern), for kvcr's
+own tests and for anyone testing code built on it.
+
+- `pattern_block(key, nbytes)`: deterministic bytes derived from a block key, so any reader
+  can check that a slot holds exactly the bytes written for that key.
+- `random_keys(n, seed)`: distinct 16-byte keys without hashing token ids.
+- `RaisingPolicy`: an eviction policy whose every hook raises, to prove the index survives.
+- `network_namespaces`: two throwaway network namespaces joined by a veth pair (root only),
+  the "two hosts" of peer tests and benchmarks.
+- `LoopbackTransport`: a peer transport between pools of one process (memmove reads).
+- `FakePeerSource`: a peer source that authenticates correctly, then misbehaves as told
+  (wrong bytes, silence, death, addresses it never exposed), over TCP or a read transport.
+- `FakeAttachClient` and `ManualClock`: an engine's attachment without a socket, and time
+  that moves when the test says, for unit tests of engine adapters.
+"""
+
+from kvcr_core.testing.attach import FakeAttachClient, ManualClock
+from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys
+from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
+from kvcr_core.testing.netns import network_namespaces
+
+__all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
+           "ManualClock", "RaisingPolicy", "network_namespaces", "pattern_block",
+           "random_keys"]

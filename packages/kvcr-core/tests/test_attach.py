@@ -1,0 +1,116 @@
+"""The attach protocol's host side as engines use it: one validation of peer settings for every
+source, and an embedded Runner that fetches hinted blocks from its peers by ticket (real Unix
+socket, real peer server over TCP) and stops its fetchers before its pool goes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.attach import (
+    AttachClient,
+    EmbeddedRunner,
+    EngineSettings,
+    HintedFetcher,
+    Mode,
+    PeerConfig,
+    ServerConfig,
+    Skipped,
+    hinted_run,
+)
+from kvcr_core.config import KVCRConfig
+from kvcr_core.errors import ConfigError
+from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.peers import PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.runner import Runner
+from kvcr_core.testing import pattern_block
+
+SECRET = "attach-test-secret-0123456789abcdef"
+BLOCK = 8192
+SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
+                     num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"peers": ["http://x:1"]}, "cfg.peers"),
+    ({"peers": "tcp://x:1"}, "cfg.peers"),
+    ({"peer_listen": "7500"}, "cfg.peer_listen"),
+    ({"fetch_deadline_s": 0}, "cfg.fetch_deadline_s"),
+    ({"peer_nixl": "yes"}, "cfg.peer_nixl"),
+    ({"peer_tls": {"cert": "c"}}, "cfg.peer_tls"),
+    ({"mode": "guarded", "socket": "/run/g.sock", "peer_listen": "0.0.0.0:1"},
+     "cfg.peer_listen"),
+])
+def test_bad_peer_settings_name_the_field_whatever_the_source(
+        extra: dict, field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: a typo'd peer setting passes in one adapter and fails in another (three parsers
+    used to disagree); one validation names the engine's own field."""
+    monkeypatch.setenv("TEST_ATTACH_PEER_SECRET", SECRET)
+    with pytest.raises(ConfigError) as err:
+        EngineSettings.fields_from({"peer_secret_env": "TEST_ATTACH_PEER_SECRET", **extra},
+                                   field="cfg", default_socket="\0x")
+    assert err.value.field == field
+
+
+def test_peer_settings_are_normalised_and_a_serving_runner_needs_the_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Runner that serves or fetches without a secret is refused at start; an engine in
+    guarded mode (the daemon dials) needs none."""
+    peer = PeerConfig(peers=frozenset({"tcp://10.0.0.1:7500", "tcp://[::1]:7501"}))
+    with pytest.raises(ConfigError, match="secret"):
+        ServerConfig(socket_path="\0kvcr-test", peer=peer)
+    guarded = EngineSettings.fields_from({"mode": "guarded", "socket": "/run/g.sock",
+                                          "peers": ["tcp://10.0.0.1:7500"]},
+                                         field="cfg", default_socket="\0x")
+    assert guarded["mode"] is Mode.GUARDED and guarded["peer"].secret is None
+    assert guarded["peer"].peers == frozenset({"tcp://10.0.0.1:7500"})
+    monkeypatch.setenv("TEST_ATTACH_PEER_SECRET", SECRET)
+    embedded = EngineSettings.fields_from({"peers": ["tcp://10.0.0.1:7500"],
+                                           "peer_secret_env": "TEST_ATTACH_PEER_SECRET"},
+                                          field="cfg", default_socket="\0x")
+    assert embedded["peer"].secret is not None and embedded["socket"] == "\0x"
+
+
+@pytest.fixture
+def source() -> Iterator[tuple[PeerServer, list[bytes]]]:
+    """Another node: a Runner holding 8 blocks of SPEC, serving peers on loopback TCP."""
+    registry = CollectorRegistry()
+    node = Runner(KVCRConfig(pool_bytes=32 * BLOCK), registry=registry)
+    keys = list(block_keys(SPEC.digest(), list(range(32)), 4))
+    node.open_namespace(SPEC, BLOCK).store(keys, [pattern_block(k, BLOCK) for k in keys])
+    server = PeerServer(node, PeerSecret(SECRET.encode()), PeerMetrics(registry))
+    yield server, keys
+    server.close()
+    node.close()
+
+
+def test_an_embedded_runner_fetches_hinted_blocks_by_ticket_and_stops_its_fetchers(
+        source: tuple[PeerServer, list[bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: embedded mode drops its peers (hinted fetches then never happen), or engine
+    shutdown leaves the Runner's fetch threads writing into a pool being unmapped."""
+    server, keys = source
+    monkeypatch.setenv("TEST_ATTACH_PEER_SECRET", SECRET)
+    fields = EngineSettings.fields_from(
+        {"peers": [server.endpoint], "peer_secret_env": "TEST_ATTACH_PEER_SECRET",
+         "pool_bytes": 32 * BLOCK}, field="cfg",
+        default_socket=f"\0kvcr-attach-test-{os.getpid()}")
+    settings = EngineSettings(**fields)
+    embedded = EmbeddedRunner(settings)
+    client = AttachClient(settings.socket, SPEC, BLOCK, identity="test")
+    try:
+        fetcher = HintedFetcher([client], settings.peer.peers, 5.0)
+        fetch = fetcher.start([keys], hinted_run(0, [server.endpoint] * 8))
+        assert not isinstance(fetch, Skipped)
+        summary = fetch.wait()
+        assert summary.fetched == 8 and client.lookup(keys) == 8
+        assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+        peer_clients = list(embedded.server._peer_clients.values())
+        assert len(peer_clients) == 1
+    finally:
+        client.close()
+        embedded.stop()
+    with pytest.raises(RuntimeError):  # its fetch threads are gone with the Runner
+        peer_clients[0].fetch_async(server.endpoint, keys[:1], 1.0)

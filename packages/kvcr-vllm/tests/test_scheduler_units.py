@@ -1,0 +1,229 @@
+"""The connector's scheduler side without an engine: request arrival, lookup, asynchronous load,
+"ask again" while a hinted fetch runs (on every TP rank), the fetch deadline, finish,
+preemption, a lost Runner. Driven through the same calls vLLM makes, with kvcr_core.testing's
+fake attach clients (an in-process Runner per node, no socket) and a manual clock; the
+end-to-end tests with real engines are in test_vllm_e2e.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and stats types")
+
+from prometheus_client import CollectorRegistry
+
+from kvcr_core.config import KVCRConfig
+from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
+from kvcr_core.runner import Runner
+from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
+from kvcr_vllm.scheduler import KVCRConnectorScheduler
+from kvcr_vllm.settings import ConnectorSettings
+from kvcr_vllm.stats import StatsRecorder
+
+BLOCK_TOKENS = 4
+BLOCK = 4096
+PEER = "tcp://10.0.0.2:7500"
+
+
+def spec(rank: int, tp: int) -> NamespaceSpec:
+    return NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32",
+                         block_size_tokens=BLOCK_TOKENS, num_layers=2, num_kv_heads=2,
+                         head_dim=64, layout="test/v1", tp_size=tp, tp_rank=rank)
+
+
+@dataclasses.dataclass
+class FakeRequest:
+    """The attributes of vLLM's Request that the scheduler side reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None = None
+    mm_features: list[Any] | None = None
+    prompt_embeds: Any = None
+    lora_request: Any = None
+    cache_salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int]]:
+        return (self.ids,)
+
+
+def output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
+           cached: list[tuple[str, list[int], int, int, bool]] = ()  # type: ignore[assignment]
+           ) -> SimpleNamespace:
+    """A SchedulerOutput: new requests (id, block ids, computed, scheduled) and cached ones
+    (id, new block ids, computed, scheduled, resumed)."""
+    return SimpleNamespace(
+        num_scheduled_tokens={r[0]: r[3] for r in [*new, *cached]},
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r[0] for r in cached], new_block_ids=[(r[1],) for r in cached],
+            resumed_req_ids={r[0] for r in cached if r[4]},
+            num_computed_tokens=[r[2] for r in cached]))
+
+
+class Node:
+    """A scheduler over `tp` ranks of one in-process Runner, optionally with peers."""
+
+    def __init__(self, tp: int = 1, *, sources: dict[str, Runner | None] | None = None,
+                 answer_after_polls: int = 1, extra: dict[str, Any] | None = None) -> None:
+        self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
+                             registry=CollectorRegistry())
+        self.specs = [spec(r, tp) for r in range(tp)]
+        self.clients = [FakeAttachClient(self.runner, s, BLOCK, sources=sources,
+                                         answer_after_polls=answer_after_polls)
+                        for s in self.specs]
+        self.clock = ManualClock()
+        self.stats = StatsRecorder()
+        settings = ConnectorSettings.from_extra_config(
+            {"mode": "guarded", "socket": "/run/kvcr/unused.sock",
+             "peers": list(sources or {}), "fetch_deadline_s": 2, **(extra or {})}, "e")
+        self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
+                                                clients=self.clients, clock=self.clock)
+
+    def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
+        return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))
+
+    def stock(self, tokens: list[int]) -> None:
+        """Stores the full blocks of `tokens` on every rank."""
+        for rank, client in enumerate(self.clients):
+            keys = self.keys(tokens, rank)
+            client.store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+
+    def counters(self) -> dict[str, int | float]:
+        taken = self.stats.take()
+        return {} if taken is None else taken.reduce()
+
+
+def hint(tokens: list[int], node: Node, source: str = PEER) -> dict[str, Any]:
+    hashes = [router_hash_kvcr_v1(k) for k in node.keys(tokens)]
+    return {"kv_hint": json.dumps({
+        "protocol_version": "0.1", "message_id": "m-1",
+        "actions": [{"action_type": "kv.fetch", "action_version": "1.0",
+                     "payload": {"source_control_endpoint": source,
+                                 "block_hashes": hashes}}]})}
+
+
+TOKENS = list(range(100, 133))  # 33 tokens: 8 full blocks and one partial
+
+
+def test_a_hit_loads_asynchronously_under_a_lease_released_when_the_load_ends() -> None:
+    """Risk: blocks evicted while workers copy them, leases leaked after the load, or a hit
+    reported that vLLM already holds itself."""
+    node = Node()
+    node.stock(TOKENS[:24])  # 6 blocks in kvcr
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 8) == (16, True)  # blocks 2..5
+    sched.update_state_after_alloc(request, Blocks(list(range(10, 19))), 16)
+    meta = sched.build_connector_meta(output())
+    (plan,) = meta.loads
+    assert plan.block_ids == (12, 13, 14, 15) and len(plan.slots_by_rank[0]) == 4
+    store = node.clients[0].store
+    assert store.index.open_leases == 1
+    sched.update_connector_output(SimpleNamespace(finished_recving={"r1"}))
+    assert store.index.open_leases == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("r2", TOKENS), 24) == (0, False)
+    finished, params = sched.request_finished(request, [])
+    assert not finished and params == {"kvcr_loaded_tokens": 16, "kvcr_saved_blocks": 6}
+    assert node.counters()["lookup_hit_tokens"] == 16
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_hinted_fetch_asks_again_until_every_rank_has_the_prefix(tp: int) -> None:
+    """Risk: a hinted fetch that only fills TP rank 0 (the other ranks then miss and vLLM
+    recomputes), or a scheduler that reports a hit before the fetch ended."""
+    source = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
+                             registry=CollectorRegistry())
+    node = Node(tp, sources={PEER: source}, answer_after_polls=2)
+    for rank, s in enumerate(node.specs):
+        keys = node.keys(TOKENS, rank)
+        source.open_namespace(s, BLOCK).store(keys, [pattern_block(k, BLOCK) for k in keys])
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=hint(TOKENS, node))
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # fetch started
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # still running
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True)  # ended: 8 blocks
+    for rank, client in enumerate(node.clients):
+        assert client.calls["peer_fetch"] == 1
+        keys = node.keys(TOKENS, rank)
+        assert client.store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
+    (plan,) = sched.build_connector_meta(output()).loads
+    assert len(plan.slots_by_rank) == tp and all(len(s) == 8 for s in plan.slots_by_rank)
+    counters = node.counters()
+    assert counters["peer_fetched_blocks"] == 8 and "failures_peer_fetch" not in counters
+
+
+def test_a_silent_peer_ends_the_wait_at_the_deadline_and_the_request_recomputes() -> None:
+    """Risk: a request parked forever ("ask again" at every step) on a peer that never
+    answers."""
+    node = Node(sources={PEER: None})
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=hint(TOKENS, node))
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    node.clock.advance(2.5)
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    node.clock.advance(1.0)  # past the deadline and the grace second
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert node.counters()["failures_peer_fetch"] == 8
+
+
+def test_a_hint_naming_a_stranger_is_refused_and_counted() -> None:
+    """Risk: a hint makes the engine dial an endpoint nobody configured."""
+    node = Node(sources={PEER: None})
+    request = FakeRequest("r1", TOKENS,
+                          kv_transfer_params=hint(TOKENS, node, "tcp://10.9.9.9:1"))
+    node.scheduler.on_new_request(request)
+    assert node.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert node.clients[0].calls["peer_fetch"] == 0
+    assert node.counters()["failures_peer_not_allowed"] == 1
+
+
+def test_saves_follow_the_steps_and_a_resumed_request_starts_over() -> None:
+    """Risk: a block saved twice or never, a partial block saved, or a preempted request's
+    old block ids used after it resumed with new ones."""
+    node = Node(tp=2)
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    meta = sched.build_connector_meta(output(new=[("r1", list(range(20, 29)), 0, 10)]))
+    (save,) = meta.saves
+    assert save.block_ids == (20, 21)  # 10 tokens: two full blocks
+    assert [list(k) for k in save.keys_by_rank] == [node.keys(TOKENS[:8], r) for r in (0, 1)]
+    meta = sched.build_connector_meta(output(cached=[("r1", [], 10, 23, False)]))
+    assert meta.saves[0].block_ids == (22, 23, 24, 25, 26, 27)  # up to 33 tokens: 8 blocks
+    meta = sched.build_connector_meta(output(cached=[("r1", list(range(40, 49)), 0, 33, True)]))
+    assert meta.saves == []  # resumed: its 8 blocks were planned already
+    assert sched.request_finished(request, [])[1] == {"kvcr_loaded_tokens": 0,
+                                                       "kvcr_saved_blocks": 8}
+
+
+def test_a_lost_runner_costs_nothing_but_the_cache() -> None:
+    """Risk: a dead Runner fails or stalls requests instead of degrading to recompute."""
+    node = Node()
+    node.stock(TOKENS)
+    for client in node.clients:
+        client.down = True
+    request = FakeRequest("r1", TOKENS)
+    node.scheduler.on_new_request(request)
+    assert node.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert node.counters()["failures_guard_unavailable"] == 1
