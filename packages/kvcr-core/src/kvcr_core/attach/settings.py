@@ -103,17 +103,17 @@ class PeerConfig:
                 raise ConfigError(f"{field}.peer_tls", tls,
                                   'give {"cert": PEM, "key": PEM, "ca": PEM} file paths')
             tls = PeerTLS(str(tls["cert"]), str(tls["key"]), str(tls["ca"]))
-        listen = extra.get("peer_listen", "")
-        secret = None
-        if load_secret and (listen or peers):
-            secret = secret_from(extra.get("peer_secret_file"),
-                                 extra.get("peer_secret_env", DEFAULT_SECRET_ENV))
         try:
-            return cls(listen=listen, secret=secret, peers=frozenset(peers), tls=tls,
-                       nixl=extra.get("peer_nixl", False),
-                       fetch_deadline_s=extra.get("fetch_deadline_s", 2.0))
+            config = cls(listen=extra.get("peer_listen", ""), peers=frozenset(peers), tls=tls,
+                         nixl=extra.get("peer_nixl", False),
+                         fetch_deadline_s=extra.get("fetch_deadline_s", 2.0))
         except ConfigError as exc:
             raise ConfigError(f"{field}.{exc.field}", exc.value, exc.fix) from None
+        if not (load_secret and config.active):
+            return config
+        secret = secret_from(extra.get("peer_secret_file"),
+                             extra.get("peer_secret_env", DEFAULT_SECRET_ENV))
+        return dataclasses.replace(config, secret=secret)
 
 
 def secret_from(path: str | None, env: str) -> PeerSecret:
