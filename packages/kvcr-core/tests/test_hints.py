@@ -16,6 +16,7 @@ from kvcr_core import hints
 from kvcr_core.errors import ConfigError, HintRejected, HintRejectReason
 from kvcr_core.hints import (
     FETCH_ACTION_TYPES,
+    HINT_ACCEPTED,
     Endpoint,
     FetchAction,
     FetchMode,
@@ -25,7 +26,7 @@ from kvcr_core.hints import (
     OpaqueAction,
     parse_hint,
 )
-from kvcr_core.metrics import HINT_ACCEPTED, RunnerMetrics
+from kvcr_core.metrics import RunnerMetrics
 from kvcr_core.types import RouterHash
 
 R = HintRejectReason

@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcr_bench.vllm_servers import CPU_ENV, Process, free_port
 from kvcr_router.hashing import HfTokenizer, PromptHasher
-from kvcr_vllm.servers import CPU_ENV, Process, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from kvcr_sglang import cpu_rig
-from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape
+from kvcr_bench import sglang_rig as cpu_rig
+from kvcr_bench.sglang_rig import KVCR_EXTRA, PoolShape
 
 
 def main(socket_path: str, role: str) -> int:

@@ -16,9 +16,9 @@ sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/set
 
 import torch  # noqa: E402
 
+from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
+from kvcr_bench.sglang_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 from kvcr_core.errors import ConfigError  # noqa: E402
-from kvcr_sglang import cpu_rig  # noqa: E402
-from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 SHAPE = PoolShape()

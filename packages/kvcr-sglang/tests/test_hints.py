@@ -16,10 +16,10 @@ sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/set
 
 import torch  # noqa: E402
 
+from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
+from kvcr_bench.sglang_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 from kvcr_core.peers import PeerSecret  # noqa: E402
 from kvcr_core.peers.inventory_reader import InventoryReader  # noqa: E402
-from kvcr_sglang import cpu_rig  # noqa: E402
-from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 from kvcr_sglang.pagestore import router_hash  # noqa: E402
 
 SECRET = b"sglang-hint-test-secret-01234567"

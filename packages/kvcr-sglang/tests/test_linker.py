@@ -12,8 +12,8 @@ sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/set
 
 import torch  # noqa: E402
 
-from kvcr_sglang import cpu_rig  # noqa: E402
-from kvcr_sglang.cpu_rig import PoolShape  # noqa: E402
+from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
+from kvcr_bench.sglang_rig import PoolShape  # noqa: E402
 
 SHAPE = PoolShape()
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-ENGINE_ARGS = [sys.executable, "-m", "kvcr_vllm.probe"]
+ENGINE_ARGS = [sys.executable, "-m", "kvcr_bench.vllm_probe"]
 
 
 EngineRun = Callable[..., list[dict[str, Any]]]

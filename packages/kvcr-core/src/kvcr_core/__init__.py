@@ -1,6 +1,10 @@
-"""kvcr-core: the engine-neutral KV Cache Runner (pool, index, eviction, hints, keys, metrics).
+"""kvcr-core: the engine-neutral KV Cache Runner (pool, index, eviction, hints, keys, metrics),
+the attach protocol (`kvcr_core.attach`) and peers (`kvcr_core.peers`).
 
-Importing this package loads no engine, torch or nixl (tests/test_import_purity.py).
+The public API for other packages: this package root, `kvcr_core.attach`, `kvcr_core.peers`,
+`kvcr_core.testing` and the modules `config`, `errors`, `hints`, `keys`, `types` (an import
+contract checks it). Importing it loads no engine, torch or nixl (checked by
+`test_import_kvcr_core_pulls_no_engine_or_heavy_dependency` in kvcr-core's tests).
 """
 
 from kvcr_core._version import __version__

@@ -33,6 +33,8 @@ from kvcr_core.errors import ConfigError, HintRejected, HintRejectReason
 from kvcr_core.types import RouterHash
 
 HINT_ACCEPTED = "accepted"
+HINT_OUTCOMES = (HINT_ACCEPTED, *(r.value for r in HintRejectReason))
+"""Every outcome a hint intake counts (a bounded metrics label)."""
 """The outcome label of an accepted hint; rejections use `HintRejectReason` values."""
 
 

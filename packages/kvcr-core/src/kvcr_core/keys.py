@@ -18,6 +18,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcr_core.errors import ConfigError
@@ -76,6 +77,23 @@ class NamespaceSpec:
             return cls(**data)
         except TypeError as exc:
             raise ConfigError("namespace", dict(data), f"missing fields: {exc}") from None
+
+    @classmethod
+    def from_reference(cls, ref: str) -> NamespaceSpec:
+        """From a JSON object, or "@FILE" naming a file that holds one ("@-": stdin), as the
+        `kvcr keys` and `kvcr-router --namespace` options take it. Raises ConfigError (and
+        OSError when the file cannot be read)."""
+        if ref.startswith("@"):
+            text = sys.stdin.read() if ref == "@-" else Path(ref[1:]).read_text(encoding="utf-8")
+        else:
+            text = ref
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("namespace", ref, f"give a JSON object or @FILE ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError("namespace", ref, "give a JSON object of NamespaceSpec fields")
+        return cls.from_mapping(data)
 
     def canonical_bytes(self) -> bytes:
         """UTF-8 JSON, keys sorted, no spaces: the exact input of the namespace digest."""

@@ -27,8 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvcr_core.errors import HintRejectReason
-from kvcr_core.hints import HINT_ACCEPTED
+from kvcr_core.hints import HINT_OUTCOMES
 
 if TYPE_CHECKING:
     from kvcr_core.hintboard import HintBoard
@@ -52,7 +51,6 @@ class CapacityResource(enum.Enum):
     LEASES = "leases"
 
 
-HINT_OUTCOMES = (HINT_ACCEPTED, *(r.value for r in HintRejectReason))
 
 
 class LightHistogram:

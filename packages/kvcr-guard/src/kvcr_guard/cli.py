@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvcr_core.attach import PeerConfig, ServerConfig, secret_from
-from kvcr_core.attach.settings import DEFAULT_SECRET_ENV
+from kvcr_core.attach import DEFAULT_SECRET_ENV, PeerConfig, ServerConfig, secret_from
 from kvcr_core.config import load_config
 from kvcr_core.errors import ConfigError
 from kvcr_core.peers import PeerTLS

@@ -94,7 +94,7 @@ def serve(config: RouterConfig) -> int:
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from kvcr_core.peers.auth import PeerSecret
+    from kvcr_core.peers import PeerSecret
     from kvcr_router.front import Router
     from kvcr_router.hashing import HfTokenizer, PromptHasher
 

@@ -207,10 +207,8 @@ def _namespace_digest(spec: object, digest: object) -> bytes | NamespaceSpec:
         return spec
     if isinstance(spec, Mapping):
         return NamespaceSpec.from_mapping(spec)
-    from kvcr_core.cli.keys_cmd import load_namespace
-
     try:
-        return load_namespace(str(spec))
+        return NamespaceSpec.from_reference(str(spec))
     except OSError as exc:
         raise ConfigError("namespace", spec, f"cannot read it ({exc.strerror})") from None
 

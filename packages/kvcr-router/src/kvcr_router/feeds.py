@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
-from kvcr_core.inventory import InventoryBatch
 from kvcr_core.keys import block_keys, router_hash_kvcr_v1
+from kvcr_core.peers import InventoryBatch
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.metrics import RouterMetrics
 

@@ -34,8 +34,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvcr_core.peers.auth import PeerSecret
-from kvcr_core.peers.inventory_reader import InventoryReader
+from kvcr_core.peers import InventoryReader, PeerSecret
 from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.cost import Decision, choose
 from kvcr_router.feeds import InventoryFeed, InventorySource, KvEventsFeed, VllmEventTranslator

@@ -1,4 +1,5 @@
-"""`KVCRConnector`: the class vLLM loads. It only dispatches by role (STYLE.md): the
+"""`KVCRConnector`: the class vLLM loads. It only dispatches by role (as vLLM's own connectors
+do): the
 scheduler side (`KVCRConnectorScheduler`) in the EngineCore process, the worker side
 (`KVCRConnectorWorker`) in each worker. Engine config is translated once (`settings`).
 
@@ -14,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    CacheHitSource,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcr_core.attach import Mode
 from kvcr_vllm import SUPPORTED_VLLM

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvcr_core.metrics import HINT_OUTCOMES
+from kvcr_core.hints import HINT_OUTCOMES
 
 COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
             "lookup_hit_tokens", "lookups", "peer_fetched_blocks")
@@ -117,10 +117,11 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 "lookup_hit_tokens": "Tokens kvcr offered beyond the engine's own prefix cache",
                 "lookups": "kvcr lookups made by the scheduler",
                 "peer_fetched_blocks": "Blocks fetched from a hinted peer (verified)"}
-        self._counters = {name: self._counter_cls(
+        # vLLM types its metric classes as a union of Counter, Gauge and Histogram
+        self._counters: dict[str, Any] = {name: self._counter_cls(
             name=f"vllm:kvcr_{name}_total", documentation=doc, labelnames=labelnames)
             for name, doc in docs.items()}
-        self._tables = {
+        self._tables: dict[str, tuple[Any, tuple[str, ...]]] = {
             "failures": (self._counter_cls(
                 name="vllm:kvcr_failures_total",
                 documentation="kvcr faults (each degraded to recompute), by reason",
@@ -133,7 +134,8 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 documentation="Requests kvcr does not cache, by reason (keys need more than "
                 "token ids)", labelnames=[*labelnames, "reason"]), BYPASS_REASONS),
         }
-        self._load_seconds = self._histogram_cls(
+        histogram: Any = self._histogram_cls
+        self._load_seconds = histogram(
             name="vllm:kvcr_load_seconds", documentation="Time to load one request's KV",
             buckets=list(_LOAD_BUCKETS_S), labelnames=labelnames)
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
+from kvcr_core import BlockKey, Reservation
 from kvcr_core.attach import AttachClient, Pending, RunnerUnavailable
-from kvcr_core.index import Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
@@ -133,7 +133,8 @@ class KVCRConnectorWorker:
         for plan in metadata.saves:  # all reservations in flight at once
             try:
                 self._ready()
-                pending.append((plan, self.client.reserve_async(plan.keys_by_rank[self.tp_rank])))
+                keys = cast("Sequence[BlockKey]", plan.keys_by_rank[self.tp_rank])
+                pending.append((plan, self.client.reserve_async(keys)))
             except (RunnerUnavailable, RuntimeError) as exc:
                 self._save_failed(plan, exc)
                 pending.append((plan, None))

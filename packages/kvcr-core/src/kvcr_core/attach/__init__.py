@@ -24,6 +24,7 @@ from kvcr_core.attach.hinted_fetch import (
 from kvcr_core.attach.protocol import PROTOCOL_VERSION
 from kvcr_core.attach.server import AttachServer
 from kvcr_core.attach.settings import (
+    DEFAULT_SECRET_ENV,
     ENGINE_KEYS,
     EngineSettings,
     Mode,
@@ -33,6 +34,7 @@ from kvcr_core.attach.settings import (
 )
 
 __all__ = [
+    "DEFAULT_SECRET_ENV",
     "ENGINE_KEYS",
     "PROTOCOL_VERSION",
     "AttachClient",

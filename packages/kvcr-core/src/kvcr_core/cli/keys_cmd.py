@@ -7,7 +7,6 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, router_hash_scheme, sequence_keys
@@ -34,20 +33,9 @@ def parse_tokens(text: str) -> list[int]:
         raise ValueError(f"token ids must be integers: {exc}") from None
 
 
-def load_namespace(ref: str) -> NamespaceSpec:
-    text = _read_text(ref[1:]) if ref.startswith("@") else ref
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("namespace", ref, f"give a JSON object or @FILE ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError("namespace", ref, "give a JSON object of NamespaceSpec fields")
-    return NamespaceSpec.from_mapping(data)
-
-
 def run_keys(namespace_ref: str, tokens_ref: str, *, scheme: str, as_json: bool) -> int:
     try:
-        spec = load_namespace(namespace_ref)
+        spec = NamespaceSpec.from_reference(namespace_ref)
         project = router_hash_scheme(scheme)
         tokens = parse_tokens(_read_text(tokens_ref))
         keys = sequence_keys(spec, tokens)

@@ -1,8 +1,9 @@
 """`kvcr`: the operator's and router author's command line.
 
-Subcommands: `bench pool`, `bench guard`, `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
-`status --socket PATH`, `--version`. Each subcommand lives in its own module and is
-imported only when chosen, so `kvcr --version` stays instant.
+Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
+sglang), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `status --socket PATH`,
+`--version`. Each subcommand lives in its own module and is imported only when chosen, so
+`kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
 """
 
@@ -21,20 +22,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="measure kvcr against a same-run baseline")
+    bench = sub.add_parser("bench", help="measure kvcr against a same-run baseline "
+                           "(pip install kvcr-bench)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    pool = bench_sub.add_parser("pool", help="pool copy-in/out vs memcpy, index speed and size")
-    pool.add_argument("--quick", action="store_true", help="short run (under 30 s)")
-    pool.add_argument("--json", action="store_true", help="print one JSON object")
-    guard = bench_sub.add_parser(
-        "guard", help="copy path through kvcr-guard, control round trip, attach time")
-    guard.add_argument("--quick", action="store_true", help="short run")
-    guard.add_argument("--json", action="store_true", help="print one JSON object")
-    peer = bench_sub.add_parser("peer", help="peer transports (TCP, NIXL) vs raw, fetch latency")
-    peer.add_argument("--quick", action="store_true", help="short run")
-    peer.add_argument("--json", action="store_true", help="print one JSON object")
-    for plugin in _bench_plugins():  # e.g. `kvcr bench vllm` from kvcr-vllm
-        extra = bench_sub.add_parser(plugin.name, help=f"benchmark from {plugin.value}")
+    installed = {ep.name: ep for ep in _bench_plugins()}
+    for name in sorted({*BENCHMARKS, *installed}):
+        where = installed[name].value if name in installed else "not installed"
+        extra = bench_sub.add_parser(name, help=BENCHMARKS.get(name, f"benchmark ({where})"))
         extra.add_argument("--quick", action="store_true", help="short run")
         extra.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -59,30 +53,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BENCHMARKS = {
+    "pool": "pool copy-in/out vs memcpy, index speed and size",
+    "guard": "copy path through kvcr-guard, control round trip, attach time",
+    "peer": "peer transports (TCP, NIXL) vs raw, fetch latency",
+    "vllm": "TTFT on real vLLM: recompute / local hit / kvcr / ExampleConnector",
+    "sglang": "HiCache v1 throughput vs SGLang's file backend vs memcpy",
+}
+
+
 def _bench_plugins() -> list[importlib.metadata.EntryPoint]:
-    """Benchmarks other kvcr packages install (entry point group `kvcr.bench`)."""
-    found = importlib.metadata.entry_points(group="kvcr.bench")
-    return [ep for ep in found if ep.name not in ("pool", "guard", "peer")]
+    """Benchmarks installed as entry points (group `kvcr.bench`; kvcr-bench has them all)."""
+    return list(importlib.metadata.entry_points(group="kvcr.bench"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.command == "bench" and args.bench == "guard":
-        from kvcr_core.cli.bench_guard import run_guard_bench
-
-        return run_guard_bench(quick=args.quick, as_json=args.json)
-    if args.command == "bench" and args.bench == "peer":
-        from kvcr_core.cli.bench_peer import run_peer_bench
-
-        return run_peer_bench(quick=args.quick, as_json=args.json)
-    if args.command == "bench" and args.bench != "pool":
-        (plugin,) = [ep for ep in _bench_plugins() if ep.name == args.bench]
-        result: int = plugin.load()(quick=args.quick, as_json=args.json)
-        return result
     if args.command == "bench":
-        from kvcr_core.cli.bench_pool import run_pool_bench
-
-        return run_pool_bench(quick=args.quick, as_json=args.json)
+        found = [ep for ep in _bench_plugins() if ep.name == args.bench]
+        if not found:
+            print(f"kvcr bench {args.bench}: the benchmarks are not installed; "
+                  "pip install 'kvcr-bench[guard]' (see its README for vllm / sglang)",
+                  file=sys.stderr)
+            return 2
+        result: int = found[0].load()(quick=args.quick, as_json=args.json)
+        return result
     if args.command == "config":
         from kvcr_core.cli.config_cmd import run_config_check
 

@@ -9,6 +9,7 @@ security model: docs/peers.md.
 This is the package's public API; its submodules are internals.
 """
 
+from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.client import FetchHandle, FetchResult, PeerClient
 from kvcr_core.peers.connection import PeerRefused
@@ -21,7 +22,8 @@ from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 
-__all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryReader", "NixlTransport",
+__all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryBatch", "InventoryReader",
+           "NixlTransport",
            "PeerClient", "PeerMetrics", "PeerRefused", "PeerSecret", "PeerServer", "PeerTLS",
            "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "Transport",
            "TransportError"]

@@ -10,8 +10,8 @@ peer connection (never from the network on their own) and dropped with their las
 connection. Transfers are destination-initiated READs from a source's leased slots into
 locally reserved slots.
 
-Threading: NIXL's own progress thread is OFF (research/transport.md F1: on 2 cores it burns a
-core and halves throughput), and so is its listener thread; nothing here starts a thread except
+Threading: NIXL's own progress thread is OFF (measured on 2 cores: it burns a core and halves
+throughput), and so is its listener thread; nothing here starts a thread except
 the one-shot starter and the read lanes (idle, blocked, between fetches). Callers drive
 progress: a reader polls its transfer; a source calls `progress()` while a peer may be
 connecting or reading. The agent runs in NIXL_THREAD_SYNC_RW mode with `lanes` UCX workers

@@ -38,7 +38,7 @@ class Policy(enum.Enum):
     KVCR = "kvcr"
 
 
-# The reference router's documented defaults (research/anchors.md §1.5): overlap credit 1.0,
+# The reference router's documented defaults (NVIDIA Dynamo's KV router): overlap credit 1.0,
 # host 0.75, prefill scale 1, potential decode blocks at weight 1, no active-request weight,
 # temperature 0. Its disk credit (0.25) has no tier here: the model has no disk tier.
 REFERENCE_WEIGHTS = CostWeights(device_w=1.0, pool_w=0.75, fetch_w=0.0, prefill_scale=1.0,

@@ -1,7 +1,7 @@
 """Builds a tiny random-weight Llama and a locally trained tokenizer: no hub, no download.
 
-`python -m kvcr_vllm.tiny_model OUT_DIR [--preset test|bench]` writes a folder vLLM loads
-with HF_HUB_OFFLINE=1. Presets (FACTS.md): `test` is 3.4 M parameters (fast engine start);
+`python -m kvcr_bench.tiny_model OUT_DIR [--preset test|bench]` writes a folder vLLM loads
+with HF_HUB_OFFLINE=1. Presets: `test` is 3.4 M parameters (fast engine start);
 `bench` is sized so a 4k-token prefill takes seconds on a 2-core CPU, with large KV per token
 (so the load path, not the MLP, is what a reuse benchmark measures). Deterministic: the same
 preset gives the same weights and vocabulary. Idempotent: an existing complete folder is kept.
@@ -81,7 +81,7 @@ def build(out_dir: str | os.PathLike[str], preset: str = "test") -> Path:
         num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
         max_position_embeddings=spec["max_position_embeddings"], tie_word_embeddings=False,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, torch_dtype=spec["dtype"])
+        pad_token_id=fast.pad_token_id, torch_dtype=spec["dtype"])  # type: ignore[call-arg]
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():

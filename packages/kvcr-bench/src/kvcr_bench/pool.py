@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvcr_core.cli.bench_copy import (
+from kvcr_bench.copies import (
     BATCH,
     BLOCK_SIZES,
     KIB,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvcr_core.cli.bench_copy import meets
+from kvcr_bench.copies import meets
 
 TARGETS = {"ratio_vs_memcpy_v1": (">=", 0.7), "ratio_vs_file_backend_v1": (">=", 3.0)}
 BATCH_PAGES = 128
@@ -42,8 +42,8 @@ def run_sglang_bench(*, quick: bool, as_json: bool) -> int:
         print("kvcr bench sglang: SGLang is not installed here (run it in .venv-sglang: "
               "bash scripts/setup_sglang.sh)", file=sys.stderr)
         return 2
-    from kvcr_sglang import cpu_rig
-    from kvcr_sglang.cpu_rig import KVCR_EXTRA, PoolShape
+    from kvcr_bench import sglang_rig as cpu_rig
+    from kvcr_bench.sglang_rig import KVCR_EXTRA, PoolShape
     from kvcr_sglang.pagestore import copy_segments
 
     shape = PoolShape(layers=16, heads=4, head_dim=128, page_tokens=32,

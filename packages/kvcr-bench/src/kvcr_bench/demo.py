@@ -1,6 +1,6 @@
 """The README's main job: two vLLM engines sharing one kvcr-guard pool, against vanilla vLLM.
 
-`python -m kvcr_vllm.demo [--quick] [--out DIR]`:
+`python -m kvcr_bench.demo [--quick] [--out DIR]`:
 1. builds the local model (no hub) and a workload of several users with long shared
    prefixes (one system prompt for all, one document per user) over several turns;
 2. runs it on two vanilla vLLM servers (each with its own prefix cache), requests
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcr_vllm.servers import GuardDaemon, VllmServer
-from kvcr_vllm.tiny_model import PRESETS, build
+from kvcr_bench.tiny_model import PRESETS, build
+from kvcr_bench.vllm_servers import GuardProcess, VllmServer
 
 
 @dataclass
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     print("phase 2/2: kvcr-guard + two vLLM servers with KVCRConnector (guarded) ...",
           flush=True)
-    guard = GuardDaemon(workdir)
+    guard = GuardProcess(workdir)
     try:
         ktc = {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"mode": "guarded", "socket": guard.socket}}

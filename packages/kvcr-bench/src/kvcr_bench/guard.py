@@ -24,9 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvcr_core.attach import AttachClient
-from kvcr_core.attach import protocol as p
-from kvcr_core.cli.bench_copy import (
+from kvcr_bench.copies import (
     BATCH,
     BLOCK_SIZES,
     MIB,
@@ -34,6 +32,8 @@ from kvcr_core.cli.bench_copy import (
     min_ratio_256k,
     report,
 )
+from kvcr_core.attach import AttachClient
+from kvcr_core.attach import protocol as p
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import SlotPool
 from kvcr_core.testing import pattern_block, random_keys

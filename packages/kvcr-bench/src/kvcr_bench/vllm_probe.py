@@ -1,5 +1,5 @@
 """One real vLLM CPU engine (offline `LLM`, in-process engine core) driven by a JSON job,
-for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_vllm.probe JOB_JSON` (or
+for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_bench.vllm_probe JOB_JSON` (or
 `-` to read the job from stdin: long prompts exceed the argument size limit).
 
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module

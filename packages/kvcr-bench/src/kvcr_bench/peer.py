@@ -3,7 +3,7 @@ same run: the TCP transport against a raw TCP stream, and (when nixl is installe
 transport against a plain NIXL read, over loopback and (as root) across two network
 namespaces.
 
-Each row runs a source and a destination process (kvcr_core.cli.bench_peer_node). Ratios are
+Each row runs a source and a destination process (kvcr_bench.peer_node). Ratios are
 medians of per-repetition ratios (raw and kvcr run back to back), because the machine may be
 shared. "warm" fetches reuse the source's per-slot checksums (a block served before), "cold"
 ones follow a re-store of every block, so the source hashes each one again. Across namespaces
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvcr_core.cli.bench_peer_node import BATCH
+from kvcr_bench.peer_node import BATCH
 from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.testing import network_namespaces
 
@@ -36,10 +36,11 @@ def _run_pair(transport: str, block_bytes: int, blocks: int, reps: int,
               netns: tuple[str, str] | None, host: str) -> dict[str, Any]:
     prefix_a = ["ip", "netns", "exec", netns[0]] if netns else []
     prefix_b = ["ip", "netns", "exec", netns[1]] if netns else []
-    me = [sys.executable, "-m", "kvcr_core.cli.bench_peer_node"]
+    me = [sys.executable, "-m", "kvcr_bench.peer_node"]
     nixl = ["--nixl"] if transport == "nixl" else []
     env_a, env_b = dict(os.environ), dict(os.environ)
-    if netns and nixl:  # force UCX onto the veth (research/transport.md section 3)
+    if netns and nixl:  # force UCX onto the veth (between namespaces of one host UCX would
+        # otherwise copy with cma, as on one host)
         env_a.update(UCX_TLS="tcp", UCX_NET_DEVICES=f"kvcr{_NS_TAG}va")
         env_b.update(UCX_TLS="tcp", UCX_NET_DEVICES=f"kvcr{_NS_TAG}vb")
     source = subprocess.Popen([*prefix_a, *me, "--role", "source", "--host", host, "--blocks",

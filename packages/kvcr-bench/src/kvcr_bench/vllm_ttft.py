@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvcr_core.cli.bench_copy import meets
-from kvcr_vllm.servers import GuardDaemon
-from kvcr_vllm.tiny_model import PRESETS, build
+from kvcr_bench.copies import meets
+from kvcr_bench.tiny_model import PRESETS, build
+from kvcr_bench.vllm_servers import GuardProcess
 
 TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
            "ttft_ratio_kvcr_vs_local_prefix": ("<=", 1.5),
@@ -30,15 +30,16 @@ TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
 
 
 def _probe(job: dict[str, Any]) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "kvcr_vllm.probe", "-"], input=json.dumps(job),
-                         capture_output=True, text=True, timeout=1800, check=False)
+    out = subprocess.run([sys.executable, "-m", "kvcr_bench.vllm_probe", "-"],
+                         input=json.dumps(job), capture_output=True, text=True, timeout=1800,
+                         check=False)
     if out.returncode != 0:
         raise RuntimeError(f"engine failed: {out.stderr[-3000:]}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def _median_seconds(rows: list[dict[str, Any]]) -> float:
-    return statistics.median(r["seconds"] for r in rows)
+    return float(statistics.median(r["seconds"] for r in rows))
 
 
 def run_vllm_bench(*, quick: bool, as_json: bool) -> int:
@@ -60,7 +61,7 @@ def run_vllm_bench(*, quick: bool, as_json: bool) -> int:
     recompute, local = vanilla[0::2], vanilla[1::2]
 
     workdir = Path(tempfile.mkdtemp(prefix="kvcrbv", dir="/tmp"))
-    guard = GuardDaemon(workdir, pool_bytes="4GiB")
+    guard = GuardProcess(workdir, pool_bytes="4GiB")
     try:
         extra = {"mode": "guarded", "socket": guard.socket}
         print("bench vllm: (c) kvcr engine A stores, engine B loads ...", file=progress,

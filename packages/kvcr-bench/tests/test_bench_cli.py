@@ -1,0 +1,57 @@
+"""`kvcr bench ...` as an operator runs it: the installed console script of kvcr-core finds the
+benchmarks kvcr-bench installs, and they run end to end (quick variants)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVCR = str(Path(sys.executable).parent / "kvcr")
+
+
+def kvcr(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCR_")}
+    return subprocess.run([KVCR, *args], capture_output=True, text=True, env=env, timeout=600,
+                          check=False)
+
+
+@pytest.mark.slow
+def test_bench_pool_quick_json_reports_the_summary() -> None:
+    """`kvcr bench pool --quick --json` runs end to end and reports every summary figure."""
+    out = kvcr("bench", "pool", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    summary = result["summary"]
+    for name in ("min_ratio_vs_memcpy_256k", "lookup_1000_keys_us", "index_ops_per_s",
+                 "index_bytes_per_block"):
+        assert summary[name] > 0
+    assert {r["block_bytes"] for r in result["rows"]} == {65536, 262144, 2097152}
+
+
+@pytest.mark.slow
+def test_bench_peer_quick_json_reports_both_transports() -> None:
+    """`kvcr bench peer --quick --json` runs end to end: every TCP row and summary figure, and
+    the NIXL ones exactly when nixl is installed (null otherwise)."""
+    from kvcr_core.peers.nixl_engine import nixl_installed
+
+    out = kvcr("bench", "peer", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    summary, nixl = result["summary"], nixl_installed()
+    for name in ("tcp_ratio_vs_raw_256k", "tcp_ratio_vs_raw_256k_cold", "small_fetch_p50_us"):
+        assert summary[name] > 0
+    for name in ("nixl_ratio_vs_raw_256k", "nixl_ratio_vs_raw_256k_cold",
+                 "nixl_small_fetch_p50_us"):
+        assert (summary[name] > 0) if nixl else summary[name] is None
+    loopback = {(r["transport"], r["block_bytes"]) for r in result["rows"]
+                if r["path"] == "loopback"}
+    sizes = {65536, 262144, 2097152}
+    assert loopback == {(t, b) for t in (("tcp", "nixl") if nixl else ("tcp",)) for b in sizes}
+    assert all(r["raw_checked_ratio"] > 0 for r in result["rows"])  # the verified reference
+
+
