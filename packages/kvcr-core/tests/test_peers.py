@@ -32,7 +32,6 @@ from kvcr_core.peers import (
     Transport,
 )
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.checksums import SlotChecksums
 from kvcr_core.peers.nixl_engine import NixlEngine, nixl_installed
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.testing import (
@@ -460,18 +459,20 @@ def test_tls_peers_transfer_and_plain_clients_are_turned_away(tmp_path: Path) ->
     server.close()
 
 
-def test_source_checksums_follow_slot_rewrites() -> None:
-    """A source's cached checksum is reused while its slot holds the same bytes and never
-    outlives a rewrite of the slot, even under the same key or into the same slot."""
+def test_checksums_are_fixed_at_commit_and_follow_slot_rewrites() -> None:
+    """A block's checksum is the one its writer fixed at commit: bytes changed in the pool
+    after it do not change it (a peer then catches them), a slot written again under another
+    key, or the same key, gets its new commit's checksum, and nothing is hashed at serve."""
     _, store, _ = node(blocks=1)
     capacity = store.index.capacity_slots
     keys = random_keys(capacity + 1, seed=10)
     store.store(keys[:capacity], [pattern_block(k, BLOCK) for k in keys[:capacity]])
-    sums = SlotChecksums(store)
+    sums = store.checksums
     slot = store.index.slot_of(keys[0])
     assert slot is not None
-    assert sums.of(slot) == sums.of(slot) == pp.checksum(pattern_block(keys[0], BLOCK))
-    assert sums.computed == 1
+    good = pp.checksum(pattern_block(keys[0], BLOCK))
+    store.pool.view(slot)[:8] = b"scribble"  # after the commit, behind the index's back
+    assert sums.of(slot) == sums.known([slot])[0] == good and sums.computed == 0
     with store.lock:
         store.index.discard([keys[0]])
     store.store([keys[capacity]], [pattern_block(keys[capacity], BLOCK)])  # same slot, new key
@@ -479,22 +480,21 @@ def test_source_checksums_follow_slot_rewrites() -> None:
     assert sums.of(slot) == pp.checksum(pattern_block(keys[capacity], BLOCK))
     with store.lock:
         store.index.discard([keys[capacity]])
-    store.store([keys[capacity]], [bytes(BLOCK)])  # same key, same slot, other bytes
-    assert store.index.slot_of(keys[capacity]) == slot
-    assert sums.of(slot) == pp.checksum(bytes(BLOCK)) and sums.computed == 3
+    res = store.reserve([keys[capacity]])  # same key, same slot, other bytes, writer's sum
+    assert res.slots == (slot,)
+    with pytest.raises(ValueError, match="checksums"):
+        store.commit(res.op, checksums=[1, 2])  # one per reserved block, or nothing changes
+    store.pool.view(slot)[:] = bytes(BLOCK)
+    assert store.commit(res.op, checksums=[pp.checksum(bytes(BLOCK))]) == 1
+    assert sums.of(slot) == pp.checksum(bytes(BLOCK)) and sums.computed == 0
     others = [store.index.slot_of(k) for k in keys[1:capacity]]
     assert None not in others
-    assert sums.known([slot, *others]) == [pp.checksum(bytes(BLOCK))]  # up to the first unknown
-    assert sums.known([others[0], slot]) == []
-    with store.lock:
-        store.index.discard([keys[capacity]])
-    store.store([keys[capacity]], [pattern_block(keys[capacity], BLOCK)])  # rewritten again
-    assert sums.known([slot]) == [] and sums.computed == 3  # known() never hashes
+    assert sums.known([slot, *others]) == [sums.of(s) for s in [slot, *others]]
 
 
 def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> None:
-    """The second fetch of the same blocks reuses the source's checksums (the bench's "warm"),
-    and a fetch after the blocks were stored again hashes them again."""
+    """A source serves the checksums its blocks' writers fixed at commit: no fetch, first or
+    later, nor one after the blocks were stored again, hashes anything at the source."""
     runner, store, metrics = node()
     keys = random_keys(6, seed=11)
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
@@ -505,7 +505,7 @@ def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> No
         assert peer.fetch(server.endpoint, keys, deadline_s=10).fetched == 6
         with dest.lock:
             dest.index.discard(keys)
-    assert server._sums[NS].computed == 6
+    assert store.checksums.computed == 0  # served as their writer fixed them
     deadline = time.monotonic() + 5
     while store.index.leased_slots and time.monotonic() < deadline:  # the server releases
         time.sleep(0.01)                                                # after its last send
@@ -513,6 +513,6 @@ def test_a_source_serves_warm_blocks_without_hashing_them_again(transport) -> No
         assert store.index.discard(keys) == 6
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
     assert peer.fetch(server.endpoint, keys, deadline_s=10).fetched == 6
-    assert server._sums[NS].computed == 12
+    assert store.checksums.computed == 0
     peer.close()
     server.close()

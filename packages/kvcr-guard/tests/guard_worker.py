@@ -12,6 +12,7 @@ import sys
 import time
 
 from kvcr_core.attach import AttachClient, RunnerUnavailable
+from kvcr_core.checksums import block_checksum
 from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.testing import pattern_block
 
@@ -80,13 +81,15 @@ def soak(client: AttachClient, rng: random.Random, seconds: int) -> None:
         try:
             if rng.random() < 0.5:
                 res = client.reserve(keys)
+                sums = []
                 for key, slot in zip(keys, res.slots, strict=True):
                     if slot is not None:
                         client.pool.write(slot, pattern_block(key, BLOCK))
+                        sums.append(block_checksum(client.pool.view(slot)))
                 if rng.random() < 0.1:
                     client.abort(res.op)
                 else:
-                    stores += client.commit(res.op)
+                    stores += client.commit(res.op, checksums=sums)
             else:
                 lease = client.acquire(keys, prefix_only=rng.random() < 0.5)
                 reads += check(client, keys, lease.slots)

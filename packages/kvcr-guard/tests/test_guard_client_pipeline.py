@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvcr_core.attach import AttachClient, RunnerUnavailable
+from kvcr_core.checksums import block_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.testing import pattern_block, random_keys
 
@@ -30,7 +31,8 @@ def test_requests_in_flight_resolve_in_any_order(guard) -> None:
     for keys, res in ((a, res_a), (b, res_b)):
         for key, slot in zip(keys, res.slots, strict=True):
             client.pool.write(slot, pattern_block(key, BLOCK))
-        client.commit_nowait(res.op)
+        client.commit_nowait(res.op, checksums=[block_checksum(pattern_block(k, BLOCK))
+                                                for k in keys])
     lease = client.acquire_async(a + b, prefix_only=False).result()  # sees the nowait commits
     assert lease.granted == 5
     client.release_nowait(lease.op)
@@ -58,7 +60,7 @@ def test_deferred_commit_of_a_reclaimed_op_is_counted_not_published(guard) -> No
     keys = random_keys(2, seed=4)
     res = client.reserve(keys)
     client.abort(res.op)
-    client.commit_nowait(res.op)
+    client.commit_nowait(res.op, checksums=[0, 0])
     client.flush()
     assert client.deferred_shortfalls == 1 and client.lookup(keys) == 0
     client.close()

@@ -19,7 +19,8 @@ from kvcr_core.testing import pattern_block, random_keys
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
-HELLO = p.Hello(p.PROTOCOL_VERSION, dataclasses.asdict(SPEC), BLOCK, "raw", os.getpid())
+HELLO = p.Hello(p.PROTOCOL_VERSION, p.NamespaceFields(**dataclasses.asdict(SPEC)), BLOCK, "raw",
+                os.getpid())
 
 
 def raw(path: str) -> socket.socket:
@@ -79,7 +80,7 @@ def assert_still_serving(path: str) -> None:
     ("request before hello", lambda s: s.sendall(p.encode_frame(p.Request(1, []))),
      "out_of_order"),
     ("bad namespace", lambda s: s.sendall(p.encode_frame(
-        msgspec.structs.replace(HELLO, namespace={"model_id": "x"}))), "bad_namespace"),
+        msgspec.structs.replace(HELLO, namespace={"model_id": "x"}))), "malformed"),
     ("geometry mismatch", lambda s: s.sendall(p.encode_frame(
         msgspec.structs.replace(HELLO, block_bytes=BLOCK * 2))), "bad_namespace"),
     ("truncated then EOF", lambda s: (s.sendall(struct.pack("<I", 100) + b"abc"),
@@ -139,7 +140,7 @@ def test_foreign_op_ids_do_nothing(guard) -> None:
     mallory = AttachClient(guard.socket, SPEC, BLOCK)
     keys = random_keys(2, seed=5)
     res = alice.reserve(keys)
-    assert mallory.commit(res.op) == 0 and mallory.abort(res.op) == 0
+    assert mallory.commit(res.op, checksums=[0, 0]) == 0 and mallory.abort(res.op) == 0
     assert alice.lookup(keys) == 0
     alice.abort(res.op)
     alice.close()

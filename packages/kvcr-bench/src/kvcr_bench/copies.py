@@ -1,10 +1,13 @@
 """Shared parts of the `kvcr bench` programs: the copy-path measurement and the report.
 
-`measure_copy` times reserve + copy-in + commit and acquire + copy-out + release, in batches
-of 64 blocks, against a baseline that copies the same source bytes into (or out of) the very
-pool pages kvcr used, in the same order, with the same copy primitive, right after each kvcr
-run (copy order alone moves throughput by 25% here, and two regions of one size can differ
-by 10% in a VM). Ratios are baseline time / kvcr time (1.0 = no overhead).
+`measure_copy` times reserve + copy-in + checksum + commit (what every kvcr writer does) and
+acquire + copy-out + release, in batches of 64 blocks, against a baseline that copies the
+same source bytes into (or out of) the very pool pages kvcr used, in the same order, with the
+same copy primitive, right after each kvcr run (copy order alone moves throughput by 25% here,
+and two regions of one size can differ by 10% in a VM). A second write baseline hashes each
+block after copying it (what any writer that checksums must do at least), and a verified
+read (`verify_loads`: copy out, hash, compare) is timed against the plain read. Ratios are
+baseline time / kvcr time (1.0 = no overhead).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcr_core.blockcopy import SlotOwner
+from kvcr_core.checksums import block_checksum
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.testing import random_keys
 from kvcr_core.types import BlockKey
@@ -58,6 +62,11 @@ def measure_copy(target: CopyTarget, block_bytes: int, total_bytes: int, reps: i
         for off, chunk in zip(order, sources, strict=True):
             dst[off:off + block_bytes] = chunk
 
+    def memcpy_checksum_in() -> None:
+        for off, chunk in zip(order, sources, strict=True):
+            dst[off:off + block_bytes] = chunk
+            block_checksum(dst[off:off + block_bytes])
+
     def memcpy_out() -> None:
         for off, chunk in zip(order, sources, strict=True):
             chunk[:] = dst[off:off + block_bytes]
@@ -71,34 +80,44 @@ def measure_copy(target: CopyTarget, block_bytes: int, total_bytes: int, reps: i
     release = getattr(target, "release_nowait", target.release)
 
     def kvcr_in() -> None:
-        write, stride = pool.write, pool.stride_bytes
+        write, view, stride = pool.write, pool.view, pool.stride_bytes
         order.clear()
         pending = reserve_next(keys[0:BATCH])
         for b in range(0, n, BATCH):
             res = pending()
             if b + BATCH < n:
                 pending = reserve_next(keys[b + BATCH:b + 2 * BATCH])
+            sums = []
             for j, slot in enumerate(res.slots):
                 if slot is not None:
                     write(slot, sources[b + j])
+                    sums.append(block_checksum(view(slot)))
                     order.append(slot * stride)
-            commit(res.op)
+            commit(res.op, checksums=sums)
         if len(order) != n:
             raise RuntimeError(f"only {len(order)} of {n} blocks got slots: pool too small")
 
-    def kvcr_out() -> None:
+    def kvcr_out(verify: bool = False) -> None:
         read_into = pool.read_into
-        pending = acquire_next(keys[0:BATCH])
+        pending = acquire_next(keys[0:BATCH], verify)
         for b in range(0, n, BATCH):
             lease = pending()
             if b + BATCH < n:
-                pending = acquire_next(keys[b + BATCH:b + 2 * BATCH])
+                pending = acquire_next(keys[b + BATCH:b + 2 * BATCH], verify)
+            sums = committed(lease) if verify else ()
             for j, slot in enumerate(lease.slots):
                 if slot is not None:
                     read_into(slot, sources[b + j])
+                    if verify and block_checksum(sources[b + j]) != sums[j]:
+                        raise RuntimeError("a block changed in the pool since its commit")
             release(lease.op)
 
-    w_base, w_kvcr, r_base, r_kvcr = [], [], [], []
+    def committed(lease: Any) -> Sequence[int]:
+        if lease.checksums:
+            return tuple(lease.checksums)
+        return [target.checksums.of(s) for s in lease.slots if s is not None]  # type: ignore
+
+    w_base, w_sum, w_kvcr, r_base, r_kvcr, r_checked = [], [], [], [], [], []
     for rep in range(reps):
         if clear is not None:
             clear(keys)
@@ -106,26 +125,33 @@ def measure_copy(target: CopyTarget, block_bytes: int, total_bytes: int, reps: i
             keys = random_keys(n, seed=block_bytes * 1000 + rep)
         w_kvcr.append(median_time(kvcr_in, 1))
         w_base.append(median_time(memcpy_in, 1))
+        w_sum.append(median_time(memcpy_checksum_in, 1))
         r_kvcr.append(median_time(kvcr_out, 1))
+        r_checked.append(median_time(lambda: kvcr_out(verify=True), 1))
         r_base.append(median_time(memcpy_out, 1))
     for chunk in sources:
         chunk.release()
     source.close()
     gb = n * block_bytes / 1e9
-    wb, wk, rb, rk = (statistics.median(x) for x in (w_base, w_kvcr, r_base, r_kvcr))
+    wb, ws, wk, rb, rk, rc = (statistics.median(x) for x in (w_base, w_sum, w_kvcr, r_base,
+                                                            r_kvcr, r_checked))
     return {"block_bytes": block_bytes, "blocks": n,
             "write_gbps": gb / wk, "write_memcpy_gbps": gb / wb, "write_ratio": wb / wk,
-            "read_gbps": gb / rk, "read_memcpy_gbps": gb / rb, "read_ratio": rb / rk}
+            "write_ratio_vs_memcpy_checksum": ws / wk,
+            "read_gbps": gb / rk, "read_memcpy_gbps": gb / rb, "read_ratio": rb / rk,
+            "verified_read_gbps": gb / rc, "verify_loads_ratio": rk / rc}
 
 
 def _ahead(target: object, async_name: str,
-           sync: Callable[[Sequence[BlockKey]], Any]) -> Callable[[Sequence[BlockKey]], Any]:
-    """keys -> a thunk that yields the result: async where the target offers it."""
+           sync: Callable[..., Any]) -> Callable[..., Any]:
+    """(keys[, checksums]) -> a thunk that yields the result: async where the target offers
+    it; `checksums` asks an attach client for each leased block's committed checksum."""
     start_async = getattr(target, async_name, None)
     if start_async is not None:
-        return lambda keys: start_async(keys).result
+        return lambda keys, *sums: start_async(
+            keys, **({"checksums": sums[0]} if sums else {})).result
 
-    def now(keys: Sequence[BlockKey]) -> Callable[[], Any]:
+    def now(keys: Sequence[BlockKey], *_: bool) -> Callable[[], Any]:
         result = sync(keys)
         return lambda: result
 
@@ -136,6 +162,15 @@ def min_ratio_256k(rows: list[dict[str, Any]]) -> float:
     """The worst of the write and read ratios at 256 KiB blocks and above."""
     return float(min(min(r["write_ratio"], r["read_ratio"]) for r in rows
                      if r["block_bytes"] >= 256 * KIB))
+
+
+def checksum_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """What checksums cost at 256 KiB blocks and above: writes against a copy that hashes too,
+    and loads with `verify_loads` against plain loads (the worst block size of each)."""
+    big = [r for r in rows if r["block_bytes"] >= 256 * KIB]
+    return {"write_ratio_vs_memcpy_checksum_256k":
+            float(min(r["write_ratio_vs_memcpy_checksum"] for r in big)),
+            "verify_loads_ratio_256k": float(min(r["verify_loads_ratio"] for r in big))}
 
 
 def meets(targets: Targets, name: str, value: float) -> bool:
@@ -151,12 +186,14 @@ def report(title: str, result: dict[str, Any], targets: Targets, *, as_json: boo
         print(json.dumps(result, indent=2))
         return
     print(title)
-    print(f"{'block':>8} | {'write GB/s':>10} {'memcpy':>8} {'ratio':>6} | "
-          f"{'read GB/s':>10} {'memcpy':>8} {'ratio':>6}")
+    print(f"{'block':>8} | {'write GB/s':>10} {'memcpy':>8} {'ratio':>6} {'vs+xxh3':>7} | "
+          f"{'read GB/s':>10} {'memcpy':>8} {'ratio':>6} | {'verified':>8} {'ratio':>6}")
     for r in result["rows"]:
         print(f"{r['block_bytes'] // KIB:>5} KiB | {r['write_gbps']:>10.2f} "
-              f"{r['write_memcpy_gbps']:>8.2f} {r['write_ratio']:>6.2f} | {r['read_gbps']:>10.2f} "
-              f"{r['read_memcpy_gbps']:>8.2f} {r['read_ratio']:>6.2f}")
+              f"{r['write_memcpy_gbps']:>8.2f} {r['write_ratio']:>6.2f} "
+              f"{r['write_ratio_vs_memcpy_checksum']:>7.2f} | {r['read_gbps']:>10.2f} "
+              f"{r['read_memcpy_gbps']:>8.2f} {r['read_ratio']:>6.2f} | "
+              f"{r['verified_read_gbps']:>8.2f} {r['verify_loads_ratio']:>6.2f}")
     print()
     for name, value in summary.items():
         if name in targets:

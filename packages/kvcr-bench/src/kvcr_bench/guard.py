@@ -28,6 +28,7 @@ from kvcr_bench.copies import (
     BATCH,
     BLOCK_SIZES,
     MIB,
+    checksum_summary,
     measure_copy,
     min_ratio_256k,
     report,
@@ -138,7 +139,7 @@ def run_guard_bench(*, quick: bool, as_json: bool) -> int:
     first_s, again_s = _attach_s(8 << 30)
     bar.update()
     bar.close()
-    summary = {"min_ratio_vs_memcpy_256k": min_ratio_256k(rows),
+    summary = {"min_ratio_vs_memcpy_256k": min_ratio_256k(rows), **checksum_summary(rows),
                "batch64_roundtrip_p50_us": p50_us, "batch64_roundtrip_p99_us": p99_us,
                "attach_8gib_s": first_s, "reattach_8gib_s": again_s}
     result = {"bench": "guard", "quick": quick, "batch_blocks": BATCH, "bytes_per_size": total,

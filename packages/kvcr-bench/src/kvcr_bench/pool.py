@@ -18,6 +18,7 @@ from kvcr_bench.copies import (
     BLOCK_SIZES,
     KIB,
     MIB,
+    checksum_summary,
     measure_copy,
     median_time,
     min_ratio_256k,
@@ -117,7 +118,7 @@ def run_pool_bench(*, quick: bool, as_json: bool) -> int:
     bytes_per_block = _index_bytes_per_block(1_000_000)
     bar.update()
     bar.close()
-    summary = {"min_ratio_vs_memcpy_256k": min_ratio_256k(rows),
+    summary = {"min_ratio_vs_memcpy_256k": min_ratio_256k(rows), **checksum_summary(rows),
                "lookup_1000_keys_us": lookup_us, "index_ops_per_s": ops,
                "index_bytes_per_block": bytes_per_block}
     result = {"bench": "pool", "quick": quick, "batch_blocks": BATCH, "bytes_per_size": total,

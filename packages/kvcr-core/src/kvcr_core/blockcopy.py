@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvcr_core.checksums import block_checksum
 from kvcr_core.index import Lease, Reservation
 from kvcr_core.memory import SlotPool
 from kvcr_core.types import BlockKey, OpId
@@ -20,7 +21,7 @@ class SlotOwner(Protocol):
 
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation: ...
 
-    def commit(self, op: OpId) -> int: ...
+    def commit(self, op: OpId, *, checksums: Sequence[int]) -> int: ...
 
     def abort(self, op: OpId) -> int: ...
 
@@ -37,15 +38,17 @@ def store_blocks(owner: SlotOwner, keys: Sequence[BlockKey],
     res = owner.reserve(keys)
     if not res.granted:
         return 0
+    sums: list[int] = []
     try:
-        write = owner.pool.write
+        pool = owner.pool
         for slot, block in zip(res.slots, blocks, strict=True):
             if slot is not None:
-                write(slot, block)
+                pool.write(slot, block)
+                sums.append(block_checksum(pool.view(slot)))  # while it is in the cache
     except BaseException:
         owner.abort(res.op)
         raise
-    return owner.commit(res.op)
+    return owner.commit(res.op, checksums=sums)
 
 
 def load_blocks(owner: SlotOwner, keys: Sequence[BlockKey]) -> list[bytes]:

@@ -17,6 +17,7 @@ import difflib
 import enum
 import json
 import keyword
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvcr_core.errors import ConfigError
 
+log = logging.getLogger("kvcr_core.config")
 ENV_PREFIX = "KVCR_"
 FOREIGN_ENV_VARS: frozenset[str] = frozenset({"KVCR_PEER_SECRET"})  # read by kvcr_core.peers
 """KVCR_* variables owned by other kvcr tools; `load_config` skips them instead of refusing."""
@@ -83,6 +85,9 @@ class KVCRConfig:
     """Projection routers use for block hashes in hints (docs/keys.md)."""
     log_level: str = "INFO"
     """Threshold for kvcr's loggers."""
+    verify_loads: bool = False
+    """Engines check each block they load against the checksum fixed at its commit (a block
+    changed in the pool since then is recomputed, not used). Costs one xxh3 pass per load."""
 
     def __post_init__(self) -> None:
         pool_bytes = parse_size_bytes("pool_bytes", self.pool_bytes, minimum=MIN_POOL_BYTES)
@@ -114,6 +119,7 @@ class KVCRConfig:
                 "router_hash_scheme", self.router_hash_scheme, ROUTER_HASH_SCHEMES
             ),
             "log_level": _parse_choice("log_level", self.log_level, LOG_LEVELS, upper=True),
+            "verify_loads": parse_bool("verify_loads", self.verify_loads),
         }
         for name, value in canonical.items():
             object.__setattr__(self, name, value)  # frozen: the only writes, before publication
@@ -181,6 +187,20 @@ def parse_count(field: str, value: object, *, minimum: int = 1, maximum: int | N
     return count
 
 
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def parse_bool(field: str, value: object) -> bool:
+    """A bool, or a string true/false, 1/0, yes/no, on/off (environment variables)."""
+    if isinstance(value, bool):
+        return value
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ConfigError(field, value, "use true or false")
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -229,21 +249,31 @@ def _resolve(
 
 
 def _env_entries(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """The KVCR_* variables that set fields. Others are not fatal: Kubernetes injects
+    KVCR_GUARD_PORT, KVCR_ROUTER_SERVICE_HOST... into every pod of a namespace with such
+    Services. Each is logged once, with the setting a typo may have meant."""
     entries = []
     for name, value in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name in FOREIGN_ENV_VARS:
             continue
         field = name[len(ENV_PREFIX) :].lower()
         if field not in FIELD_NAMES or name != env_var_name(field):
-            names = [env_var_name(f) for f in FIELD_NAMES]
-            raise ConfigError(
-                name,
-                value,
-                f"not a kvcr environment variable{_did_you_mean(name.upper(), names)}; "
-                f"unset it or use one of {', '.join(names)}",
-            )
+            _note_foreign(name)
+            continue
         entries.append((field, value, f"environment {name}"))
     return entries
+
+
+_noted: set[str] = set()
+
+
+def _note_foreign(name: str) -> None:
+    if name in _noted or len(_noted) > 256:
+        return
+    _noted.add(name)
+    names = [env_var_name(f) for f in FIELD_NAMES]
+    hint = _did_you_mean(name.upper(), names)
+    log.warning("ignoring environment variable %s: not a kvcr setting%s", name, hint)
 
 
 def _read_config_file(path: str | os.PathLike[str]) -> Mapping[Any, Any]:

@@ -44,11 +44,13 @@ class Reservation:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lease:
-    """READY slots leased for reading, aligned with the keys asked for (None: not READY)."""
+    """READY slots leased for reading, aligned with the keys asked for (None: not READY);
+    `checksums`: of the leased slots, in order, when asked for."""
 
     op: OpId
     slots: tuple[SlotId | None, ...]
     granted: int
+    checksums: tuple[int, ...] = ()
 
 
 class InventoryListener(Protocol):
@@ -90,6 +92,7 @@ class BlockIndex:
         self._ops: dict[OpId, _Op] = {}
         self._open_reservations = 0
         self._owner_ops: dict[OwnerId, set[OpId]] = {}
+        self._held: dict[OwnerId, int] = {}  # slots each owner holds FILLING or leased
         self._op_ids = itertools.count(1)
         self.evictions = 0
         self.policy_faults = 0
@@ -163,19 +166,37 @@ class BlockIndex:
     def ops_of(self, owner: OwnerId) -> frozenset[OpId]:
         return frozenset(self._owner_ops.get(owner, ()))
 
+    def owner_ops(self, owner: OwnerId) -> int:
+        """How many reservations and leases `owner` has open."""
+        return len(self._owner_ops.get(owner, ()))
+
+    def held(self, owner: OwnerId) -> int:
+        """Slots `owner` holds now: FILLING for its reservations, or leased by it."""
+        return self._held.get(owner, 0)
+
+    def reserved_slots(self, op: OpId, owner: OwnerId | None = None) -> list[SlotId] | None:
+        """The slots of open reservation `op` (of `owner`, when given), in key order; None
+        for an unknown or foreign op, or a lease."""
+        record = self._ops.get(op)
+        if record is None or not record.writing or (owner is not None and record.owner != owner):
+            return None
+        return record.slots
+
     # -- writes ----------------------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER) -> Reservation:
+    def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
+                limit: int | None = None) -> Reservation:
         """FILLING slots for the keys that are neither READY nor being written.
 
         Present READY keys count as used (their recency is refreshed, so storing a sequence
-        never evicts its own prefix). When no slot can be freed, this key and the rest of
-        the batch are refused.
+        never evicts its own prefix). When no slot can be freed, or `owner` would hold more
+        than `limit` slots (its quota), this key and the rest of the batch are refused.
         """
         if self._open_reservations >= self.max_reservations:
             return Reservation(NO_OP, (None,) * len(keys), 0, len(keys))
         ready, filling, state, key_of = self._ready, self._filling, self._state, self._key_of
         free, take_slot, generation = self._free, self._take_slot, self._generation
+        room = len(keys) if limit is None else limit - self._held.get(owner, 0)
         out: list[SlotId | None] = []
         op_keys: list[BlockKey] = []
         op_slots: list[SlotId] = []
@@ -192,7 +213,7 @@ class BlockIndex:
             if key in filling:
                 out.append(None)
                 continue
-            slot = free.pop() if free else take_slot()
+            slot = None if len(op_slots) >= room else free.pop() if free else take_slot()
             if slot is None:
                 refused = len(keys) - len(out)
                 out.extend([None] * refused)
@@ -269,16 +290,18 @@ class BlockIndex:
     # -- reads -----------------------------------------------------------------------------
 
     def acquire(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
-                prefix_only: bool = True) -> Lease:
-        """Leases READY slots. With `prefix_only`, stops at the first key that is not READY."""
+                prefix_only: bool = True, limit: int | None = None) -> Lease:
+        """Leases READY slots. With `prefix_only`, stops at the first key that is not READY.
+        Stops too where `owner` would hold more than `limit` slots (its quota)."""
         if self.open_leases >= self.max_leases:
             return Lease(NO_OP, (None,) * len(keys), 0)
         ready, counts = self._ready, self._lease_count
+        room = len(keys) if limit is None else limit - self._held.get(owner, 0)
         out: list[SlotId | None] = []
         op_keys: list[BlockKey] = []
         op_slots: list[SlotId] = []
         for key in keys:
-            slot = ready.get(key)
+            slot = ready.get(key) if len(op_slots) < room else None
             if slot is None:
                 if prefix_only:
                     break
@@ -351,6 +374,7 @@ class BlockIndex:
         if owned is None:
             owned = self._owner_ops[record.owner] = set()
         owned.add(op)
+        self._held[record.owner] = self._held.get(record.owner, 0) + len(record.slots)
         return op
 
     def _close_op(self, op: OpId, *, writing: bool, owner: OwnerId | None = None) -> _Op | None:
@@ -363,6 +387,9 @@ class BlockIndex:
         owned.discard(op)
         if not owned:
             del self._owner_ops[record.owner]
+            del self._held[record.owner]
+        else:
+            self._held[record.owner] -= len(record.slots)
         if writing:
             self._open_reservations -= 1
         return record

@@ -3,8 +3,13 @@
 Data plane only: no policy, no block states. `HostRegion` owns one mapping; `SlotPool` cuts a
 region into equal slots whose starts are 4 KiB-aligned (misaligned copies measured 3x slower
 here). A memfd region can be handed to another process (`fd`, `HostRegion.map_fd`), which is
-how kvcr-guard shares its pool; memfd memory disappears with its last holder, so nothing is
-ever left in /dev/shm.
+how a Runner shares a namespace's pool with the engines that attach to it; memfd memory
+disappears with its last holder, so nothing is ever left in /dev/shm.
+
+A memfd region is sealed against shrinking and growing (and against changing its seals)
+before anyone else can see it: a process holding the fd cannot `ftruncate` it, so no holder
+of a mapping can ever be hit by SIGBUS because another one cut the file short. `map_fd`
+refuses an fd that is not sealed so, or whose size is not the one announced.
 
 Threading: mapping and closing are not thread-safe; slot views may be used from any thread
 as long as the index (which owns slot states) grants them.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import fcntl
 import mmap
 import os
 from typing import Final
@@ -25,6 +31,8 @@ PAGE_BYTES: Final = mmap.PAGESIZE
 SLOT_ALIGN_BYTES: Final = 4096
 _MADV_POPULATE_WRITE: Final = 23  # Linux 5.14+; not exported by the mmap module
 _PREFAULT_CHUNK_BYTES: Final = 8 << 20
+SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""What every shared pool memfd carries: its size is fixed, and so are its seals."""
 
 
 class RegionKind(enum.Enum):
@@ -56,9 +64,10 @@ class HostRegion:
         size = round_up(size_bytes, PAGE_BYTES)
         if kind is RegionKind.ANONYMOUS:
             return cls(mmap.mmap(-1, size), size, kind, None)
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
@@ -68,11 +77,21 @@ class HostRegion:
     @classmethod
     def map_fd(cls, fd: int, size_bytes: int) -> HostRegion:
         """Maps a memfd received from another process and closes `fd` (the mapping keeps the
-        memory alive on its own, so a client holds no descriptor that could leak)."""
+        memory alive on its own, so a client holds no descriptor that could leak). Raises
+        ValueError for an fd that is not sealed against shrinking and growing, or whose size
+        is not `size_bytes`: mapping it could end in SIGBUS."""
         try:
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd, or one created without sealing
+            if seals & SEALS != SEALS:
+                raise ValueError("the pool fd is not sealed against shrinking and growing; "
+                                 "refusing to map it (is the server a kvcr of this version?)")
             actual = os.fstat(fd).st_size
-            if actual < size_bytes:
-                raise ValueError(f"memfd holds {actual} bytes, expected at least {size_bytes}")
+            if actual != size_bytes:
+                raise ValueError(f"the pool memfd holds {actual} bytes, the server announced "
+                                 f"{size_bytes}; refusing to map it")
             mapping = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)

@@ -4,20 +4,23 @@ Each namespace (kvcr_core.keys) gets its own `NamespaceStore`: a `SlotPool` (pag
 slots of the namespace's block size), a `BlockIndex` and an eviction policy, behind one lock.
 Callers copy bytes themselves between `reserve`/`commit` (writes) and `acquire`/`release`
 (reads); the store only hands out slots, so copies run outside the lock and in parallel.
-Engines never see another namespace's blocks.
+A commit fixes each block's checksum (kvcr_core.checksums): given by the writer, or hashed
+here for in-process writers that give none. Engines never see another namespace's blocks.
 
 Threading: every public method is thread-safe. Nothing here spins or starts threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.blockcopy import load_blocks, store_blocks
+from kvcr_core.checksums import SlotChecksums, block_checksum
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import CapacityError, ClosedError, UnknownNamespaceError
 from kvcr_core.eviction import make_policy, resolve_policy
@@ -42,6 +45,7 @@ class NamespaceStore:
         self.digest = digest
         self.pool = pool
         self.index = index
+        self.checksums = SlotChecksums(index, pool.view)
         self.lock = threading.Lock()
         self._metrics = metrics
         self._clock = time.perf_counter
@@ -66,31 +70,52 @@ class NamespaceStore:
         with self.lock:
             return self.index.discard(self.index.ready_keys())
 
-    def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER) -> Reservation:
+    def reserve(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
+                limit: int | None = None) -> Reservation:
+        """FILLING slots for `keys` (see BlockIndex.reserve; `limit`: the owner's quota)."""
         start = self._clock()
         with self.lock:
             index = self.index
             evicted_before = index.evictions
             table_full = index.open_reservations >= index.max_reservations
-            res = index.reserve(keys, owner)
+            res = index.reserve(keys, owner, limit=limit)
             evicted = index.evictions - evicted_before
         self._metrics.on_reserve(
             self._clock() - start, evicted, res.refused,
             CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS)
         return res
 
-    def commit(self, op: OpId, owner: OwnerId | None = None) -> int:
+    def commit(self, op: OpId, owner: OwnerId | None = None,
+               checksums: Sequence[int] | None = None) -> int:
+        """Publishes reservation `op` with its blocks' `checksums` (the writer's, one per
+        reserved slot in order; None: hashed here now). Returns the blocks published (0 for
+        an unknown or foreign op). Raises ValueError, changing nothing, for a wrong count of
+        checksums."""
         start = self._clock()
         with self.lock:
+            slots = self.index.reserved_slots(op, owner)
+            if slots is None:
+                return 0
+            if checksums is None:
+                checksums = [block_checksum(self.pool.view(slot)) for slot in slots]
+            elif len(checksums) != len(slots):
+                raise ValueError(f"{len(checksums)} checksums for a reservation of "
+                                 f"{len(slots)} blocks")
             n = self.index.commit(op, owner)
+            self.checksums.record(slots, checksums)
         self._metrics.on_commit(self._clock() - start, n, self.pool.slot_bytes)
         return n
 
-    def settle(self, op: OpId, keep: Sequence[BlockKey]) -> tuple[int, int]:
-        """Publishes the reserved blocks in `keep`, frees the rest (see BlockIndex.settle)."""
+    def settle(self, op: OpId, keep: Mapping[BlockKey, int]) -> tuple[int, int]:
+        """Publishes the reserved blocks in `keep` (key -> the checksum its bytes were verified
+        against), frees the rest (see BlockIndex.settle)."""
         start = self._clock()
         with self.lock:
             published, dropped = self.index.settle(op, keep)
+            slot_of = self.index.slot_of
+            kept = [(slot, value) for key, value in keep.items()
+                    if (slot := slot_of(key)) is not None]
+            self.checksums.record([k[0] for k in kept], [k[1] for k in kept])
         self._metrics.on_commit(self._clock() - start, published, self.pool.slot_bytes)
         if dropped:
             self._metrics.on_reclaimed(dropped)
@@ -104,11 +129,12 @@ class NamespaceStore:
         return n
 
     def acquire(self, keys: Sequence[BlockKey], owner: OwnerId = LOCAL_OWNER, *,
-                prefix_only: bool = True) -> Lease:
+                prefix_only: bool = True, limit: int | None = None) -> Lease:
+        """Leases READY slots (see BlockIndex.acquire; `limit`: the owner's quota)."""
         start = self._clock()
         with self.lock:
             table_full = self.index.open_leases >= self.index.max_leases
-            lease = self.index.acquire(keys, owner, prefix_only=prefix_only)
+            lease = self.index.acquire(keys, owner, prefix_only=prefix_only, limit=limit)
         self._metrics.on_acquire(self._clock() - start, lease.granted, self.pool.slot_bytes,
                                  refused=table_full and not lease.granted)
         return lease
@@ -222,6 +248,20 @@ class Runner:
             store = NamespaceStore(digest, SlotPool(region, block_bytes), index, self.metrics)
             self._stores[digest] = store
             return store
+
+    def release_namespace(self, digest: NamespaceDigest) -> bool:
+        """Forgets a namespace nobody uses: its READY blocks leave the inventory (removed)
+        and its pool memory is given back (once no other process maps it either). False if
+        it was not open."""
+        with self._lock:
+            store = self._stores.pop(digest, None)
+        if store is None:
+            return False
+        with store.lock:
+            store.index.discard(store.index.ready_keys())
+        with contextlib.suppress(BufferError):  # a view still exported: unmapped with it
+            store.close()
+        return True
 
     def namespace(self, digest: NamespaceDigest) -> NamespaceStore:
         try:

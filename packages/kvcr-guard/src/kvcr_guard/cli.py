@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvcr_core.attach import DEFAULT_SECRET_ENV, PeerConfig, ServerConfig, secret_from
+from kvcr_core.attach import (
+    DEFAULT_SECRET_ENV,
+    ClientLimits,
+    PeerConfig,
+    ServerConfig,
+    secret_from,
+)
 from kvcr_core.config import load_config
 from kvcr_core.errors import ConfigError
 from kvcr_core.peers import PeerTLS
 from kvcr_guard._version import __version__
-from kvcr_guard.config import GuardConfig
+from kvcr_guard.config import DEFAULT_NAMESPACE_IDLE_S, DEFAULT_NAMESPACE_SHARE, GuardConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,10 +31,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--socket", required=True, help="Unix socket path to serve (mode 0600)")
     ap.add_argument("--pool-bytes", help="total pool size, e.g. 8GiB (default from config)")
     ap.add_argument("--namespace-pool-bytes",
-                    help="pool size per namespace (model/TP rank...), e.g. 2GiB")
+                    help="pool size per namespace (model/TP rank...), e.g. 2GiB (default: a "
+                    f"1/{DEFAULT_NAMESPACE_SHARE} share of the pool, so no namespace can take "
+                    "all of it)")
     ap.add_argument("--config", help="a kvcr config file (.json/.yaml); flags win over it")
     ap.add_argument("--allowed-uid", type=int, action="append", default=None,
                     help="uid allowed to attach (repeatable; default: this process's uid)")
+    ap.add_argument("--tenant", action="append", default=[], metavar="NAME=UID[,UID...]",
+                    help="only these uids may open namespaces of tenant NAME (the engines' "
+                    "cache_salt / tenant); tenants not named are open to every allowed uid "
+                    "(repeatable)")
+    ap.add_argument("--uid-max-namespaces", type=int, default=16,
+                    help="namespaces one uid may hold at once (default 16)")
+    ap.add_argument("--max-clients", type=int, default=256,
+                    help="attached clients at once (default 256)")
+    ap.add_argument("--max-pending", type=int, default=64,
+                    help="connections that have not attached yet, at once (default 64)")
+    ap.add_argument("--handshake-timeout-s", type=float, default=2.0,
+                    help="a connection must attach within this (default 2)")
+    ap.add_argument("--client-held-fraction", type=float, default=ClientLimits.held_fraction,
+                    help="share of a namespace's slots one client may hold writing or "
+                    f"reading at once (default {ClientLimits.held_fraction})")
+    ap.add_argument("--client-max-ops", type=int, default=ClientLimits.ops,
+                    help=f"open reservations and leases per client (default {ClientLimits.ops})")
+    ap.add_argument("--namespace-idle-s", type=float, default=DEFAULT_NAMESPACE_IDLE_S,
+                    help="a namespace nobody used for this long gives its memory back "
+                    f"(default {DEFAULT_NAMESPACE_IDLE_S:g}; 0 = never)")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
@@ -60,6 +89,9 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
     if args.log_level is not None:
         overrides["log_level"] = args.log_level
     runner = load_config(args.config, overrides=overrides)
+    if runner.namespace_pool_bytes is None:  # never one namespace for the whole pool
+        share = max(4096, runner.pool_bytes // DEFAULT_NAMESPACE_SHARE)
+        runner = dataclasses.replace(runner, namespace_pool_bytes=share)
     secret = (secret_from(args.peer_secret_file, args.peer_secret_env)
               if args.peer_listen or args.peer else None)
     peer = PeerConfig(listen=args.peer_listen, secret=secret, peers=frozenset(args.peer),
@@ -68,9 +100,29 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
     extra: dict[str, Any] = {}
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)
-    server = ServerConfig(socket_path=args.socket, runner=runner, peer=peer, **extra)
+    limits = ClientLimits(held_fraction=args.client_held_fraction, ops=args.client_max_ops)
+    server = ServerConfig(
+        socket_path=args.socket, runner=runner, peer=peer, tenants=_tenants(args.tenant),
+        uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
+        max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
+        limits=limits, namespace_idle_s=args.namespace_idle_s or None, **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,
                        metrics_port=args.metrics_port)
+
+
+def _tenants(flags: list[str]) -> dict[str, frozenset[int]]:
+    """--tenant NAME=UID[,UID...] flags -> tenant name -> uids."""
+    tenants: dict[str, frozenset[int]] = {}
+    for flag in flags:
+        name, sep, uids = flag.partition("=")
+        try:
+            parsed = frozenset(int(u) for u in uids.split(",")) if sep and uids else None
+        except ValueError:
+            parsed = None
+        if parsed is None:
+            raise ConfigError("tenant", flag, "give NAME=UID[,UID...], e.g. --tenant team-a=1001")
+        tenants[name] = tenants.get(name, frozenset()) | parsed
+    return tenants
 
 
 def main(argv: Sequence[str] | None = None) -> int:

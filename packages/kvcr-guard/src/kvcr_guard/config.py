@@ -9,6 +9,12 @@ import dataclasses
 from kvcr_core.attach import ServerConfig
 from kvcr_core.errors import ConfigError
 
+DEFAULT_NAMESPACE_SHARE = 4
+"""Without --namespace-pool-bytes each namespace gets this fraction (1/N) of the pool, so the
+first Hello cannot take all of it (N namespaces fit: e.g. one engine of TP=4)."""
+DEFAULT_NAMESPACE_IDLE_S = 600.0
+"""A namespace no client used for this long gives its memory back."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GuardConfig:

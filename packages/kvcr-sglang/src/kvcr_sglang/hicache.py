@@ -65,10 +65,8 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
         if self.store is not None:
             self.store.close()
         self.pages = pages
-        self.store = PageStore(self.settings.socket, spec, pages.geometry.page_bytes,
-                               identity=identity, timeout_s=self.settings.timeout_s,
-                               peers=self.settings.peer.peers,
-                               fetch_deadline_s=self.settings.peer.fetch_deadline_s)
+        self.store = PageStore(self.settings, spec, pages.geometry.page_bytes,
+                               identity=identity)
         log.info("kvcr HiCache backend: %s pages of %d bytes (%s), runner at %s",
                  pages.geometry.layout, pages.geometry.page_bytes, self.settings.mode.value,
                  self.settings.socket.replace("\0", "@"))
@@ -97,9 +95,8 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             spec = dataclasses.replace(store.spec, extra={
                 **store.spec.extra, "pool": key, "pool_kind": type(pool).__name__,
                 "page_bytes": str(page_bytes)})
-            found = (pool, PageStore(self.settings.socket, spec, page_bytes,
-                                     identity=f"{store.client.identity}-{key}",
-                                     timeout_s=self.settings.timeout_s))
+            found = (pool, PageStore(self.settings, spec, page_bytes,
+                                     identity=f"{store.client.identity}-{key}", hinted=False))
         self.side[key] = found
         return found
 

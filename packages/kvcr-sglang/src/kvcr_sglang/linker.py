@@ -88,11 +88,8 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         self.embedded: EmbeddedRunner | None = None
         if self.settings.mode is Mode.EMBEDDED:
             self.embedded = EmbeddedRunner(self.settings)
-        self.store = PageStore(self.settings.socket, spec, 2 * self.num_layers * self.layer_bytes,
-                               identity=self.settings.identity or f"sglang-linker-tp{tp_rank}",
-                               timeout_s=self.settings.timeout_s,
-                               peers=self.settings.peer.peers,
-                               fetch_deadline_s=self.settings.peer.fetch_deadline_s)
+        self.store = PageStore(self.settings, spec, 2 * self.num_layers * self.layer_bytes,
+                               identity=self.settings.identity or f"sglang-linker-tp{tp_rank}")
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._pool_view: tuple[int, torch.Tensor] | None = None
         device = kvcache.k_buffer[0].device
@@ -261,21 +258,22 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         op, offsets, refused = reserved
         pool = self._pool_bytes()
         size = self.layer_bytes
-        granted = 0
+        written: list[int] = []
         try:
             with self._on_copy_stream():
                 for offset, views in zip(offsets, self._page_views(transfer), strict=True):
                     if offset is None:
                         continue
-                    granted += 1
+                    written.append(offset)
                     for part, view in enumerate(views):
                         start = offset + part * size
                         pool[start:start + size].copy_(view, non_blocking=True)
-            self._sync_copy_stream()
+            self._sync_copy_stream()  # the bytes are in the pool: now they can be hashed
+            sums = [self.store.checksum_at(offset) for offset in written]
         except BaseException:
             self.store.abort(op)
             raise
-        return self.store.commit(op, granted) and refused == 0
+        return self.store.commit(op, sums) and refused == 0
 
     def num_completed_offloads(self) -> int:
         return self._offload_results.qsize()

@@ -6,9 +6,12 @@ SGLang page memory (addresses, as SGLang's zero-copy interface hands them out) a
 A block is one page's segments back to back, in a canonical order fixed by the caller.
 
 Writes are reserve + copy + commit: a page is visible to any reader only after all its bytes
-landed; a failed copy aborts. Reads are acquire + copy + release under a lease, so eviction
-never recycles a slot being read. Every kvcr fault (guard down, refused, protocol) becomes a
-miss or a failed store: SGLang then recomputes, never reads wrong bytes. Thread-safe: SGLang's
+landed; a failed copy aborts; the commit carries each page's checksum, taken right after its
+copy. Reads are acquire + copy + release under a lease, so eviction never recycles a slot
+being read; with `verify_loads` each page read is checked against its committed checksum (a
+page changed in the pool since is a miss, counted in `corrupt_pages`). Every kvcr fault
+(guard down, refused, protocol) becomes a miss or a failed store: SGLang then recomputes,
+never reads wrong bytes. Thread-safe: SGLang's
 prefetch, I/O and backup threads share one `AttachClient` (its own lock orders requests);
 copies run outside it (ctypes.memmove releases the GIL).
 """
@@ -24,7 +27,15 @@ import time
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from kvcr_core.attach import AttachClient, HintedFetcher, RunnerUnavailable, Skipped, hinted_run
+from kvcr_core.attach import (
+    AttachClient,
+    EngineSettings,
+    HintedFetcher,
+    RunnerUnavailable,
+    Skipped,
+    hinted_run,
+)
+from kvcr_core.checksums import block_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
@@ -67,12 +78,12 @@ def block_key(page_key: str) -> BlockKey:
 class PageStoreStats:
     """Plain counters (read by `kvcr_stats()` and the benchmark); updated under the GIL."""
 
-    __slots__ = ("failures", "hinted_fetched_pages", "hinted_fetches", "hit_pages", "lookups",
-                 "miss_pages", "read_pages", "stored_pages")
+    __slots__ = ("corrupt_pages", "failures", "hinted_fetched_pages", "hinted_fetches",
+                 "hit_pages", "lookups", "miss_pages", "read_pages", "stored_pages")
 
     def __init__(self) -> None:
         self.lookups = self.hit_pages = self.miss_pages = 0
-        self.stored_pages = self.read_pages = self.failures = 0
+        self.stored_pages = self.read_pages = self.failures = self.corrupt_pages = 0
         self.hinted_fetches = self.hinted_fetched_pages = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -103,14 +114,18 @@ class IoSamples:
 
 
 class PageStore:
-    def __init__(self, socket_path: str, spec: NamespaceSpec, block_bytes: int, *,
-                 identity: str, timeout_s: float, peers: frozenset[str] = frozenset(),
-                 fetch_deadline_s: float = 2.0) -> None:
+    def __init__(self, settings: EngineSettings, spec: NamespaceSpec, block_bytes: int, *,
+                 identity: str, hinted: bool = True) -> None:
+        """Pages of `spec` in the Runner `settings` names; `hinted`: fetch what hints name
+        from `settings.peer.peers`."""
         self.spec = spec
         self.block_bytes = block_bytes
-        self.client = AttachClient(socket_path, spec, block_bytes, identity=identity,
-                                   timeout_s=timeout_s)
-        self.fetcher = HintedFetcher([self.client], peers, fetch_deadline_s)
+        self.verify_loads = settings.runner.verify_loads
+        self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
+                                   timeout_s=settings.timeout_s)
+        self.fetcher = HintedFetcher([self.client],
+                                     settings.peer.peers if hinted else frozenset(),
+                                     settings.peer.fetch_deadline_s)
         self.stats = PageStoreStats()
         self.io = IoSamples()
         self._base_lock = threading.Lock()
@@ -173,13 +188,13 @@ class PageStore:
         if reserved is None:
             return [False] * n
         op, offsets, refused = reserved
-        granted = 0
+        sums: list[int] = []
         try:
             base = self._pool_address()
             for offset, segments in zip(offsets, pages, strict=True):
                 if offset is not None:
                     self._copy(base + offset, segments, into_slot=True)
-                    granted += 1
+                    sums.append(self.checksum_at(offset))
         except (RunnerUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
             self.abort(op)
             self._fault("store", exc)
@@ -187,7 +202,8 @@ class PageStore:
         except BaseException:
             self.abort(op)
             raise
-        if not self.commit(op, granted):  # the op was reclaimed: nothing of it is trusted
+        granted = len(sums)
+        if not self.commit(op, sums):  # the op was reclaimed: nothing of it is trusted
             self.stats.failures += 1
             return [False] * n
         self.io.add(self.io.writes, granted, granted * self.block_bytes,
@@ -201,7 +217,8 @@ class PageStore:
             return []
         start = time.perf_counter()
         try:
-            lease = self.client.acquire([block_key(k) for k in page_keys])
+            lease = self.client.acquire([block_key(k) for k in page_keys],
+                                        checksums=self.verify_loads)
         except RunnerUnavailable as exc:
             self._fault("read", exc)
             return [False] * n
@@ -213,6 +230,9 @@ class PageStore:
                 if slot is None:
                     break
                 self._copy(base + slot * stride, segments, into_slot=False)
+                if self.verify_loads and self.checksum_at(slot * stride) != lease.checksums[i]:
+                    self.stats.corrupt_pages += 1
+                    break  # changed in the pool since its commit: a miss from here on
                 filled[i] = True
         except (RunnerUnavailable, ValueError) as exc:
             self._fault("read", exc)
@@ -227,18 +247,24 @@ class PageStore:
 
     def lease(self, page_keys: Sequence[str]) -> tuple[int, list[int]] | None:
         """Leases the pages (all of them or none): (op, byte offsets of their slots in the
-        pool region); None on a miss or a fault. The caller copies out at its own pace (layer
-        by layer) and then `unlease`s."""
+        pool region); None on a miss, a fault, or (with `verify_loads`) a page changed in the
+        pool since its commit. The caller copies out at its own pace (layer by layer) and then
+        `unlease`s."""
         try:
-            lease = self.client.acquire([block_key(k) for k in page_keys])
-            if lease.granted < len(page_keys):
+            lease = self.client.acquire([block_key(k) for k in page_keys],
+                                        checksums=self.verify_loads)
+            stride = self.client.pool.stride_bytes
+            offsets = [int(slot) * stride for slot in lease.slots if slot is not None]
+            if lease.granted < len(page_keys) or (self.verify_loads and any(
+                    self.checksum_at(o) != s for o, s in zip(offsets, lease.checksums,
+                                                               strict=True))):
+                self.stats.corrupt_pages += lease.granted == len(page_keys)
                 self.client.release_nowait(lease.op)
                 return None
-            stride = self.client.pool.stride_bytes
         except RunnerUnavailable as exc:
             self._fault("read", exc)
             return None
-        return lease.op, [int(slot) * stride for slot in lease.slots if slot is not None]
+        return lease.op, offsets
 
     def reserve(self, page_keys: Sequence[str]) -> tuple[int, list[int | None], int] | None:
         """Slots to fill for pages not yet kept: (op, byte offset per page or None when
@@ -251,14 +277,20 @@ class PageStore:
             return None
         return res.op, [None if s is None else int(s) * stride for s in res.slots], res.refused
 
-    def commit(self, op: int, granted: int) -> bool:
+    def commit(self, op: int, checksums: Sequence[int]) -> bool:
+        """Publishes reservation `op` (`checksums`: of each granted page, in order, from
+        `checksum_at` right after its copy); False if not all of it was published."""
         try:
-            published = self.client.commit(OpId(op))
+            published = self.client.commit(OpId(op), checksums=checksums)
         except RunnerUnavailable as exc:
             self._fault("store", exc)
             return False
         self.stats.stored_pages += published
-        return published == granted
+        return published == len(checksums)
+
+    def checksum_at(self, offset: int) -> int:
+        """The checksum of the block at byte `offset` of the mapped pool."""
+        return block_checksum(self.client.pool.region.view[offset:offset + self.block_bytes])
 
     def abort(self, op: int) -> None:
         with contextlib.suppress(RunnerUnavailable):

@@ -13,12 +13,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
-    """Copy pool slots into vLLM blocks; `failed_block_ids` could not be leased (recompute)."""
+    """Copy pool slots into vLLM blocks; `failed_block_ids` could not be leased (recompute).
+    `checksums_by_rank`: each slot's committed checksum, when loads are verified."""
 
     req_id: str
     block_ids: tuple[int, ...]
     slots_by_rank: tuple[tuple[int, ...], ...]
     failed_block_ids: tuple[int, ...] = ()
+    checksums_by_rank: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -221,11 +221,14 @@ class KVCRConnectorScheduler:
         keys = [k[first:first + count] for k in self._keys(state, first + count)]
         ops: list[OpId] = []
         slots: list[tuple[int | None, ...]] = []
+        sums: list[tuple[int, ...]] = []
+        verify = self.settings.runner.verify_loads
         try:
             for client, rank_keys in zip(self.clients, keys, strict=True):
-                lease = client.acquire(rank_keys)
+                lease = client.acquire(rank_keys, checksums=verify)
                 ops.append(lease.op)
                 slots.append(lease.slots)
+                sums.append(lease.checksums)
         except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             self._release_all(ops)
@@ -240,7 +243,7 @@ class KVCRConnectorScheduler:
         self._pending_loads.append(LoadPlan(
             request.request_id, tuple(block_ids[:granted]),
             tuple(tuple(int(s) for s in r[:granted] if s is not None) for r in slots),
-            tuple(block_ids[granted:])))
+            tuple(block_ids[granted:]), tuple(s[:granted] for s in sums) if verify else ()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
         meta = KVCRConnectorMetadata(self._pending_loads, [])

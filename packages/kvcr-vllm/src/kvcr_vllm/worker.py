@@ -9,10 +9,12 @@ is parked in WAITING_FOR_REMOTE_KVS, so the scheduler never waits for it: the lo
 asynchronous where it matters), saves in `wait_for_save` after the forward pass wrote the
 step's KV. Measured here: a separate copy thread ran 5-100x slower, starved by the engine's
 OpenMP threads; inline, 32 MiB move in ~5 ms. A save reserves its keys (one overlapped round
-trip for all of the step's plans), copies what it was granted and commits, so a block is READY
-only after all its bytes landed; a failed save is aborted, never published. Runs of consecutive
-blocks and slots move in one strided copy per layer. A load that cannot complete reports its
-blocks through `get_block_ids_with_load_errors`, and vLLM recomputes them.
+trip for all of the step's plans), copies what it was granted and commits with each block's
+checksum (hashed from the slot once every layer is in), so a block is READY only after all its
+bytes landed; a failed save is aborted, never published. Runs of consecutive blocks and slots
+move in one strided copy per layer. A load that cannot complete, or (with `verify_loads`) a
+block whose slot no longer matches its committed checksum, reports its blocks through
+`get_block_ids_with_load_errors`, and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
-from kvcr_core import BlockKey, Reservation
+from kvcr_core import BlockKey, Reservation, SlotId
 from kvcr_core.attach import AttachClient, Pending, RunnerUnavailable
+from kvcr_core.checksums import block_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
@@ -171,6 +174,8 @@ class KVCRConnectorWorker:
             for block, slot, length in runs(plan.block_ids, slots):
                 for plane, off, page in self._planes:
                     plane[block:block + length].copy_(rows[slot:slot + length, off:off + page])
+            if plan.checksums_by_rank:
+                self._verify(plan, slots, plan.checksums_by_rank[self.tp_rank])
         except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             self._load_errors.update(plan.block_ids)
@@ -182,6 +187,18 @@ class KVCRConnectorWorker:
             self.stats.add("loaded_blocks", len(plan.block_ids))
             self.stats.add("loaded_tokens", len(plan.block_ids) * self.block_tokens)
             self.stats.load_seconds(time.perf_counter() - start)
+
+    def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:
+        """Blocks whose slot no longer holds the bytes committed there (changed in the pool
+        since) are load errors: vLLM recomputes them."""
+        view = self.client.pool.view
+        bad = [block for block, slot, want in zip(plan.block_ids, slots, sums, strict=True)
+               if block_checksum(view(SlotId(slot))) != want]
+        if bad:
+            self.stats.failure("load_checksum", len(bad))
+            self._load_errors.update(bad)
+            log.warning("kvcr: %d blocks of %s changed in the pool since their commit; "
+                        "recomputing them", len(bad), plan.req_id)
 
     def _save(self, plan: SavePlan, reservation: Pending[Reservation]) -> None:
         res = None
@@ -198,7 +215,9 @@ class KVCRConnectorWorker:
             for block, slot, length in runs(blocks, slot_ids):
                 for plane, off, page in self._planes:
                     rows[slot:slot + length, off:off + page].copy_(plane[block:block + length])
-            self.client.commit_nowait(res.op)
+            view = self.client.pool.view  # every plane copied: the blocks are whole
+            self.client.commit_nowait(
+                res.op, checksums=[block_checksum(view(slot)) for slot in slot_ids])
             self.stats.add("stored_blocks", len(pairs))
             self.stats.add("stored_tokens", len(pairs) * self.block_tokens)
         except Exception as exc:

@@ -23,6 +23,7 @@ from kvcr_core.attach.hinted_fetch import (
 )
 from kvcr_core.attach.protocol import PROTOCOL_VERSION
 from kvcr_core.attach.server import AttachServer
+from kvcr_core.attach.session import ClientLimits
 from kvcr_core.attach.settings import (
     DEFAULT_SECRET_ENV,
     ENGINE_KEYS,
@@ -39,6 +40,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AttachClient",
     "AttachServer",
+    "ClientLimits",
     "EmbeddedRunner",
     "EngineSettings",
     "FetchSummary",

@@ -70,7 +70,7 @@ def _as_reservation(results: list[p.Result]) -> Reservation:
 
 def _as_lease(results: list[p.Result]) -> Lease:
     r = _single(results)
-    return Lease(OpId(r.op), _slots(r.slots), r.granted)
+    return Lease(OpId(r.op), _slots(r.slots), r.granted, tuple(r.checksums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,28 +174,37 @@ class AttachClient:
         self._backoff_s = 0.0
 
     def _connect(self) -> None:
+        """Hello, Welcome with the namespace's memfd, a checked mapping (sealed, the announced
+        size and geometry). Whatever fails, no descriptor or mapping is left behind."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
+        fds: list[int] = []
         try:
             sock.connect(self.socket_path)
-            hello = p.Hello(p.PROTOCOL_VERSION, dataclasses.asdict(self.namespace),
-                            self.block_bytes, self.identity, os.getpid())
+            hello = p.Hello(p.PROTOCOL_VERSION,
+                            p.NamespaceFields(**dataclasses.asdict(self.namespace)),
+                            self.block_bytes, self.identity[:256], os.getpid())
             sock.sendall(p.encode_frame(hello))
             message, fds = self._read_frame(sock, with_fds=True)
             if isinstance(message, p.Goodbye):
                 raise RunnerUnavailable(message.reason, message.detail)
             if not isinstance(message, p.Welcome) or len(fds) != 1:
                 raise RunnerUnavailable("protocol", f"expected Welcome with one fd, got {message}")
+            region = HostRegion.map_fd(fds.pop(), message.region_bytes)  # closes the fd
+            try:
+                pool = SlotPool(region, message.slot_bytes)
+                if (pool.stride_bytes != message.stride_bytes
+                        or pool.capacity_slots != message.capacity_slots):
+                    raise RunnerUnavailable("protocol",
+                                            "pool geometry disagrees with the server's")
+            except BaseException:
+                region.close()
+                raise
         except BaseException:
+            for fd in fds:
+                os.close(fd)
             sock.close()
             raise
-        region = HostRegion.map_fd(fds[0], message.region_bytes)
-        pool = SlotPool(region, message.slot_bytes)
-        if pool.stride_bytes != message.stride_bytes or \
-                pool.capacity_slots != message.capacity_slots:
-            region.close()
-            sock.close()
-            raise RunnerUnavailable("protocol", "pool geometry disagrees with the server's")
         self._sock = sock
         self._attachment = Attachment(OwnerId(message.owner),
                                       NamespaceDigest(message.namespace_digest), pool)
@@ -210,7 +219,12 @@ class AttachClient:
             raise RunnerUnavailable("disconnected", str(exc)) from None
         except p.FrameError as exc:
             raise RunnerUnavailable("protocol", str(exc)) from None
-        return p.decode_server(payload), fds
+        try:
+            return p.decode_server(payload), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
 
     def _fail(self) -> None:
         self._owed.clear()
@@ -326,10 +340,12 @@ class AttachClient:
         """Reserve now, collect the slots later (overlap the round trip with copying)."""
         return Pending(self, self.submit([p.Reserve(list(keys))]).seq, _as_reservation)
 
-    def commit(self, op: OpId) -> int:
+    def commit(self, op: OpId, *, checksums: Sequence[int]) -> int:
+        """Publishes reservation `op`; `checksums`: each granted block's `block_checksum`, in
+        the reservation's order, taken right after copying it. Returns blocks published."""
         if op == NO_OP:
             return 0
-        result = self._one(p.Commit(op))
+        result = self._one(p.Commit(op, list(checksums)))
         assert isinstance(result, p.Count)
         return result.n
 
@@ -340,23 +356,27 @@ class AttachClient:
         assert isinstance(result, p.Count)
         return result.n
 
-    def commit_nowait(self, op: OpId) -> None:
-        """Publishes a reservation without waiting for the reply (see `submit_nowait`)."""
+    def commit_nowait(self, op: OpId, *, checksums: Sequence[int]) -> None:
+        """`commit` without waiting for the reply (see `submit_nowait`)."""
         if op != NO_OP:
-            self.submit_nowait([p.Commit(op)])
+            self.submit_nowait([p.Commit(op, list(checksums))])
 
     def release_nowait(self, op: OpId) -> None:
         """Ends a lease without waiting for the reply (see `submit_nowait`)."""
         if op != NO_OP:
             self.submit_nowait([p.Release(op)])
 
-    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease:
-        return self.acquire_async(keys, prefix_only=prefix_only).result()
+    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
+                checksums: bool = False) -> Lease:
+        """Leases READY blocks; `checksums`: with each one's committed checksum (to verify
+        what is copied out)."""
+        return self.acquire_async(keys, prefix_only=prefix_only, checksums=checksums).result()
 
-    def acquire_async(self, keys: Sequence[BlockKey], *,
-                      prefix_only: bool = True) -> Pending[Lease]:
+    def acquire_async(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
+                      checksums: bool = False) -> Pending[Lease]:
         """Acquire now, collect the leased slots later."""
-        return Pending(self, self.submit([p.Acquire(list(keys), prefix_only)]).seq, _as_lease)
+        return Pending(self, self.submit([p.Acquire(list(keys), prefix_only, checksums)]).seq,
+                       _as_lease)
 
     def release(self, op: OpId) -> bool:
         if op == NO_OP:

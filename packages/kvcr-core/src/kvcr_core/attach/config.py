@@ -1,13 +1,23 @@
-"""`ServerConfig`: what an attach server needs (the socket, the Runner's config, who may attach,
-the peer settings), frozen and validated once. kvcr-guard builds it from its flags; embedded
-mode from the engine's settings.
+"""`ServerConfig`: what an attach server needs (the socket, the Runner's config, who may attach
+and open which namespaces, per-client bounds, the peer settings), frozen and validated once.
+kvcr-guard builds it from its flags; embedded mode from the engine's settings.
+
+Access policy: a client connects only with a uid in `allowed_uids`; it opens a namespace of
+tenant T (`NamespaceSpec.tenant`) only if `tenants` does not name T or names its uid; one uid
+holds at most `uid_max_namespaces` namespaces at once. Pre-attach bounds: at most
+`max_pending` connections that have not said Hello yet, each for at most
+`handshake_timeout_s`; attached clients are counted apart (`max_clients`), so unattached ones
+can never crowd them out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Mapping
 
+from kvcr_core.attach.session import ClientLimits
 from kvcr_core.attach.settings import PeerConfig
 from kvcr_core.config import KVCRConfig
 from kvcr_core.errors import ConfigError
@@ -21,7 +31,15 @@ class ServerConfig:
     runner: KVCRConfig = dataclasses.field(default_factory=KVCRConfig)
     allowed_uids: frozenset[int] = dataclasses.field(
         default_factory=lambda: frozenset({os.getuid()}))
+    tenants: Mapping[str, frozenset[int]] = dataclasses.field(default_factory=dict)
+    """Tenant name -> the uids that may open its namespaces (tenants not named: any uid)."""
+    uid_max_namespaces: int = 16
     max_clients: int = 256
+    max_pending: int = 64
+    handshake_timeout_s: float = 2.0
+    limits: ClientLimits = dataclasses.field(default_factory=ClientLimits)
+    namespace_idle_s: float | None = None
+    """A namespace no client has used for this long gives its memory back (None: never)."""
     peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
 
     @property
@@ -43,6 +61,22 @@ class ServerConfig:
         if not self.allowed_uids or any(u < 0 for u in self.allowed_uids):
             raise ConfigError("allowed_uids", sorted(self.allowed_uids),
                               "give one or more non-negative uids")
-        if self.max_clients < 1:
-            raise ConfigError("max_clients", self.max_clients, "give a positive count")
+        for tenant, uids in self.tenants.items():
+            if not uids <= self.allowed_uids:
+                raise ConfigError("tenants", f"{tenant}={sorted(uids)}",
+                                  f"uids {sorted(uids - self.allowed_uids)} may not attach at "
+                                  "all: allow them too (--allowed-uid)")
+        for name in ("max_clients", "max_pending", "uid_max_namespaces"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "give a positive count")
+        if not 0 < self.handshake_timeout_s <= 60:
+            raise ConfigError("handshake_timeout_s", self.handshake_timeout_s,
+                              "give seconds in (0, 60]")
+        limits = self.limits
+        if not 0 < limits.held_fraction <= 1 or limits.ops < 1 or limits.tickets < 1:
+            raise ConfigError("limits", limits, "give a held fraction in (0, 1] and positive "
+                              "op and fetch counts")
+        idle = self.namespace_idle_s
+        if idle is not None and (not math.isfinite(idle) or idle <= 0):
+            raise ConfigError("namespace_idle_s", idle, "give positive seconds (or none)")
         self.peer.check_secret()

@@ -21,8 +21,9 @@ _REQUEST_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 2.5e-2
 class AttachMetrics(LightMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
-        self.attaches = self.clients = self.requests = self.ops = 0
-        self.reclaimed_blocks = self.reclaimed_leases = 0
+        self.attaches = self.clients = self.pending = self.requests = self.ops = 0
+        self.reclaimed_blocks = self.reclaimed_leases = self.namespaces_released = 0
+        self.accept_errors = 0
         self.closed = {r.value: 0 for r in CloseReason}
         self.request_seconds = LightHistogram(_REQUEST_BUCKETS_S)
         self.register()
@@ -42,14 +43,21 @@ class AttachMetrics(LightMetrics):
             self.reclaimed_blocks += blocks
             self.reclaimed_leases += leases
 
-    def connection_closed(self, reason: CloseReason, clients_now: int) -> None:
+    def connection_closed(self, reason: CloseReason) -> None:
         with self.lock:
             self.closed[reason.value] += 1
-            self.clients = clients_now
 
-    def set_clients(self, clients_now: int) -> None:
+    def set_connections(self, attached: int, pending: int) -> None:
         with self.lock:
-            self.clients = clients_now
+            self.clients, self.pending = attached, pending
+
+    def on_accept_error(self) -> None:
+        with self.lock:
+            self.accept_errors += 1
+
+    def on_namespace_released(self) -> None:
+        with self.lock:
+            self.namespaces_released += 1
 
     def collect(self) -> Iterator[Metric]:
         with self.lock:
@@ -58,6 +66,15 @@ class AttachMetrics(LightMetrics):
                     self.attaches)
             yield GaugeMetricFamily("kvcr_guard_clients", "Clients attached now",
                                     value=self.clients)
+            yield GaugeMetricFamily("kvcr_guard_pending_connections",
+                                    "Connections that have not attached (no Hello yet)",
+                                    value=self.pending)
+            yield c("kvcr_guard_accept_errors_total",
+                    "Connections the listener could not accept (e.g. out of descriptors)",
+                    self.accept_errors)
+            yield c("kvcr_guard_namespaces_released_total",
+                    "Namespaces nobody used for namespace_idle_s, their memory given back",
+                    self.namespaces_released)
             yield self.labelled("kvcr_guard_connections_closed_total",
                                 "Connections closed, by reason", "reason", dict(self.closed))
             yield c("kvcr_guard_requests_total", "Request frames served", self.requests)

@@ -1,7 +1,11 @@
-"""The attach protocol, version 1: framed msgpack messages over a Unix socket.
+"""The attach protocol, version 2: framed msgpack messages over a Unix socket.
 
 Frame: 4-byte little-endian payload length, then a msgpack payload of one tagged message.
-Frames are bounded (`MAX_FRAME_BYTES`); a bigger announced length is a protocol violation.
+Frames are bounded (`MAX_FRAME_BYTES`; before Hello, `MAX_HELLO_FRAME_BYTES`); a bigger
+announced length is a protocol violation. Every field is typed and bounded by the decoder
+(key lengths, counts, block size, namespace fields, op ids): a message that decodes is safe to
+act on. Version 2 (against 1): commits carry each block's checksum, acquires may return
+them, Hello's namespace is a typed structure.
 
 Order: the client sends `Hello` first and once (or a single `Probe` for status). The server
 answers `Welcome` with the pool's memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and
@@ -19,7 +23,7 @@ Reasons and statuses are enums (`CloseReason`, `RefusalReason`, kvcr_core.peers'
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -32,14 +36,22 @@ from kvcr_core.wire import Message
 from kvcr_core.wire import PostHint as PostHint
 from kvcr_core.wire import encode_frame as encode_frame
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 MAX_OPS_PER_REQUEST: Final = 256
 MAX_KEYS_PER_OP: Final = 8192
+MAX_BLOCK_BYTES: Final = 1 << 30
+MAX_HELLO_FRAME_BYTES: Final = 16 << 10
 NO_SLOT: Final = -1
 
 # Validated by the decoder (in C): a wrong key length or too many keys/ops is MALFORMED.
 Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
+Checksums = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],  # u64 (msgpack bounds it)
+                      msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
+OpRef = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+_Text = Annotated[str, msgspec.Meta(max_length=512)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 
 
 class CloseReason(enum.Enum):
@@ -56,6 +68,9 @@ class CloseReason(enum.Enum):
     CAPACITY = "capacity"
     SHUTDOWN = "shutdown"
     CLIENT_DIED = "client_died"
+    HANDSHAKE_TIMEOUT = "handshake_timeout"  # no Hello in time
+    QUOTA = "quota"  # the client's uid holds as many namespaces as it may
+    INTERNAL = "internal_error"  # a fault of the server's own: this connection only
 
 
 class RefusalReason(enum.Enum):
@@ -70,12 +85,32 @@ class RefusalReason(enum.Enum):
 # -- client -> server -------------------------------------------------------------------------
 
 
+class NamespaceFields(msgspec.Struct, forbid_unknown_fields=True):
+    """`kvcr_core.keys.NamespaceSpec` on the wire (a map), every field typed and bounded."""
+
+    model_id: _Name
+    dtype: _Name
+    kv_dtype: _Name
+    block_size_tokens: _Count
+    num_layers: _Count
+    num_kv_heads: _Count
+    head_dim: _Count
+    layout: _Name
+    model_revision: _Text = ""
+    tp_size: _Count = 1
+    tp_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    tenant: _Text = ""
+    lora: _Text = ""
+    extra: Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], _Text],
+                     msgspec.Meta(max_length=32)] = msgspec.field(default_factory=dict)
+
+
 class Hello(Message, tag="hello"):
-    protocol: int
-    namespace: dict[str, Any]
-    block_bytes: int
-    identity: str
-    pid: int
+    protocol: Annotated[int, msgspec.Meta(ge=0)]
+    namespace: NamespaceFields
+    block_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_BYTES)]
+    identity: Annotated[str, msgspec.Meta(max_length=256)]
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 
 
 class Probe(Message, tag="probe"):
@@ -98,20 +133,28 @@ class Reserve(Message, tag="reserve"):
 
 
 class Commit(Message, tag="commit"):
-    op: int
+    """Publishes reservation `op`; `checksums`: the xxh3-64 of each block granted, in the
+    reservation's order, taken by the writer right after its copy (what peers are served and
+    local loads may verify)."""
+
+    op: OpRef
+    checksums: Checksums
 
 
 class Abort(Message, tag="abort"):
-    op: int
+    op: OpRef
 
 
 class Acquire(Message, tag="acquire"):
+    """Leases READY blocks; `checksums`: also answer each leased block's checksum."""
+
     keys: Keys
     prefix_only: bool = True
+    checksums: bool = False
 
 
 class Release(Message, tag="release"):
-    op: int
+    op: OpRef
 
 
 class Stats(Message, tag="stats"):
@@ -138,7 +181,7 @@ class PeerFetch(Message, tag="peer_fetch"):
 
 
 class PeerPoll(Message, tag="peer_poll"):
-    ticket: int
+    ticket: OpRef
 
 
 Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
@@ -146,7 +189,7 @@ Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats |
 
 
 class Request(Message, tag="request"):
-    seq: int
+    seq: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
     ops: Annotated[list[Op], msgspec.Meta(max_length=MAX_OPS_PER_REQUEST)]
 
 
@@ -181,6 +224,7 @@ class Slots(Message, tag="slots"):
     slots: list[int]  # NO_SLOT where the key got none
     granted: int
     refused: int
+    checksums: list[int] = msgspec.field(default_factory=list)  # Acquire(checksums=True)
 
 
 class Done(Message, tag="done"):

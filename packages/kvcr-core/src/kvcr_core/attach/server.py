@@ -7,10 +7,20 @@ connection, every client's pidfd and a wake-up pipe. Index operations take micro
 serving them inline is faster than handing them to workers, and it makes the server's state
 single-owner. The loop blocks in `select` when idle (no polling, no spinning).
 
+Fairness and bounds: complete frames wait in a run queue and each connection gets one frame
+per turn, so no client's burst delays the others by more than one of its frames; a
+connection with frames queued or replies unsent is not read (its buffers stay bounded).
+Before Hello a connection may send one small frame (`MAX_HELLO_FRAME_BYTES`) within
+`handshake_timeout_s`, and at most `max_pending` such connections exist, counted apart from
+attached clients. A fault while serving one connection closes that connection only
+(`internal_error`, counted); accept errors (out of descriptors included) pause accepting
+briefly; the loop ends only by `request_shutdown()`.
+
 Liveness: a client is gone at socket EOF, or when its pidfd (from the kernel's peer
 credentials, not the pid the client claims) says the process exited, even if a forked child
 still holds the socket. Either way its session is closed: FILLING blocks aborted, leases
-released, READY blocks kept.
+released, READY blocks kept. A namespace nobody has used for `namespace_idle_s` gives its
+memory back (its blocks leave the inventory as removed).
 
 Shutdown (`request_shutdown()`, thread- and signal-safe): stop accepting, serve the frames
 already received, tell every client Goodbye("shutdown"), close, remove the socket file, return
@@ -19,8 +29,8 @@ already received, tell every client Goodbye("shutdown"), close, remove the socke
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import json
 import logging
 import os
 import selectors
@@ -28,7 +38,6 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -37,34 +46,54 @@ from kvcr_core.attach import protocol as p
 from kvcr_core.attach.config import ServerConfig
 from kvcr_core.attach.metrics import AttachMetrics
 from kvcr_core.attach.protocol import CloseReason
-from kvcr_core.attach.session import ClientSession, SessionClosed
+from kvcr_core.attach.session import ClientLimits, ClientSession, SessionClosed
+from kvcr_core.attach.status import status_report
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import OwnerId
+from kvcr_core.types import NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.attach")
 
 _RECV_BYTES = 256 * 1024
 _UCRED = struct.Struct("3i")
+_ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pause
+_TICK_S = 1.0  # idle namespaces are looked at this often
+_QUIET = frozenset({CloseReason.EOF, CloseReason.CLIENT_DIED, CloseReason.SHUTDOWN})
 
 
 class _Conn:
-    __slots__ = ("counted", "inbuf", "outbuf", "pidfd", "session", "sock")
+    __slots__ = ("deadline", "events", "inbuf", "outbuf", "pidfd", "queued", "session",
+                 "sock")
 
-    def __init__(self, sock: socket.socket, session: ClientSession) -> None:
+    def __init__(self, sock: socket.socket, session: ClientSession, deadline: float) -> None:
         self.sock = sock
         self.session = session
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.pidfd: int | None = None
-        self.counted = False  # attach seen by the loop (pidfd watched, gauge updated)
+        self.deadline: float | None = deadline  # to say Hello by; None once attached
+        self.queued = False  # in the run queue: a complete frame waits
+        self.events = 0  # what the selector watches for it
+
+    def frame_ready(self) -> bool:
+        buf = self.inbuf
+        if len(buf) < p.FRAME_HEADER.size:
+            return False
+        (length,) = p.FRAME_HEADER.unpack_from(buf)
+        return length > self.frame_limit() or len(buf) >= p.FRAME_HEADER.size + length
+
+    def frame_limit(self) -> int:
+        return p.MAX_FRAME_BYTES if self.session.attached else p.MAX_HELLO_FRAME_BYTES
 
 
 class AttachServer:
-    """Serves one Runner to attached engines until shut down."""
+    """Serves one Runner to attached engines until shut down (a `SessionHost` for them)."""
 
     def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
         self.config = config
+        self.limits: ClientLimits = config.limits
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = AttachMetrics(self.registry)
@@ -73,11 +102,18 @@ class AttachServer:
         self._peer_clients: dict[bytes, PeerClient] = {}
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
+        self._runq: collections.deque[_Conn] = collections.deque()
+        self._pending = 0  # connections not attached yet
         self._listener: socket.socket | None = None
+        self._accept_pause_s = 0.0
+        self._accept_at = 0.0  # accepting again from then, after an accept error
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = threading.Event()
         self._next_owner = 1
         self._started = time.monotonic()
+        self._next_tick = self._started + _TICK_S
+        self._last_used: dict[NamespaceDigest, float] = {}
+        self._warn = ThrottledLog(log)
         # One receive buffer for all connections: a fresh 256 KiB bytes per recv would be an
         # mmap/munmap pair (and page faults) per request.
         self._recv_buf = bytearray(_RECV_BYTES)
@@ -135,17 +171,6 @@ class AttachServer:
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
-    def _peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
-        """The Runner's fetcher for a namespace, if `endpoint` is one of its peers."""
-        peer = self.config.peer
-        if endpoint not in peer.peers or peer.secret is None:
-            return None
-        client = self._peer_clients.get(store.digest)
-        if client is None:
-            client = self._peer_clients[store.digest] = PeerClient(
-                store, peer.secret, self.peer_metrics, tls=peer.tls, nixl=peer.nixl)
-        return client
-
     def request_shutdown(self) -> None:
         """Thread- and signal-safe."""
         self._stopping.set()
@@ -156,10 +181,67 @@ class AttachServer:
         if self._listener is None:
             self.listen()
         while not self._stopping.is_set():
-            for key, events in self._sel.select():
-                self._dispatch(key, events)
+            try:
+                self._turn()
+            except Exception:  # a fault of ours: logged; the loop and other clients go on
+                self._warn.log(logging.ERROR, "loop", "kvcr attach server: unexpected error "
+                               "in its loop", exc_info=True)
         self._shutdown()
         return 0
+
+    def _turn(self) -> None:
+        """One pass: wait for events (bounded by the next deadline), then one frame per
+        queued connection, then the timers."""
+        timeout = 0.0 if self._runq else self._timeout()
+        for key, events in self._sel.select(timeout):
+            self._dispatch(key, events)
+        for _ in range(len(self._runq)):
+            conn = self._runq.popleft()
+            conn.queued = False
+            if conn.sock.fileno() in self._conns:
+                self._guarded(conn, self._serve_one)
+        self._timers()
+
+    # -- host: what sessions ask of the server (SessionHost) ----------------------------------
+
+    def status(self) -> str:
+        return status_report(
+            self.runner, socket_path=self.config.socket_path, started_s=self._started,
+            attached=[c.session.store.digest if c.session.store else None
+                      for c in self._conns.values()],
+            peer_endpoint=self.peer_server.endpoint if self.peer_server else None)
+
+    def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None:
+        """Whether `uid` may attach to `spec`'s namespace now (None) or why not."""
+        attached = [c.session for c in self._conns.values() if c.session.attached]
+        if len(attached) >= self.config.max_clients:
+            return (CloseReason.TOO_MANY_CLIENTS,
+                    f"{self.config.max_clients} clients attached already")
+        allowed = self.config.tenants.get(spec.tenant)
+        if allowed is not None and uid not in allowed:
+            return (CloseReason.NOT_ALLOWED, f"uid {uid} may not open namespaces of tenant "
+                    f"{printable(spec.tenant)!r} (kvcr-guard --tenant)")
+        digest = spec.digest()
+        mine = {s.store.digest for s in attached if s.uid == uid and s.store is not None}
+        if digest not in mine and len(mine) >= self.config.uid_max_namespaces:
+            return (CloseReason.QUOTA, f"uid {uid} holds {len(mine)} namespaces, as many as "
+                    "it may (kvcr-guard --uid-max-namespaces)")
+        return None
+
+    @property
+    def fetches_from_peers(self) -> bool:
+        return bool(self.config.peer.peers)
+
+    def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
+        """The Runner's fetcher for a namespace, if `endpoint` is one of its peers."""
+        peer = self.config.peer
+        if endpoint not in peer.peers or peer.secret is None:
+            return None
+        client = self._peer_clients.get(store.digest)
+        if client is None:
+            client = self._peer_clients[store.digest] = PeerClient(
+                store, peer.secret, self.peer_metrics, tls=peer.tls, nixl=peer.nixl)
+        return client
 
     # -- events ------------------------------------------------------------------------------
 
@@ -176,12 +258,23 @@ class AttachServer:
                 self._close(conn, CloseReason.CLIENT_DIED, "client process exited")
         else:
             conn = self._conns.get(tag)
-            if conn is None:
-                return
-            if events & selectors.EVENT_WRITE:
-                self._flush(conn)
-            if events & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
-                self._read(conn)
+            if conn is not None:
+                self._guarded(conn, self._io, events)
+
+    def _guarded(self, conn: _Conn, work: object, *args: object) -> None:
+        """Runs `work(conn, *args)`; a fault in it closes this connection only."""
+        try:
+            work(conn, *args)  # type: ignore[operator]
+        except Exception as exc:
+            self._warn.log(logging.ERROR, "internal", "kvcr attach server: error serving "
+                           "client %d: %s", conn.session.owner, printable(exc), exc_info=True)
+            self._close(conn, CloseReason.INTERNAL, printable(exc))
+
+    def _io(self, conn: _Conn, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(conn)
+        if events & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+            self._read(conn)
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -189,21 +282,33 @@ class AttachServer:
             sock, _ = self._listener.accept()
         except BlockingIOError:
             return
+        except OSError as exc:  # out of descriptors, memory...: pause, never die
+            self.metrics.on_accept_error()
+            self._accept_pause_s = min(_ACCEPT_PAUSE_S[1],
+                                       max(_ACCEPT_PAUSE_S[0], self._accept_pause_s * 2))
+            self._accept_at = time.monotonic() + self._accept_pause_s
+            self._sel.unregister(self._listener)
+            self._warn.log(logging.WARNING, "accept", "kvcr attach server cannot accept (%s); "
+                           "accepting again in %.2f s", exc, self._accept_pause_s)
+            return
+        self._accept_pause_s = 0.0
         pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         owner = OwnerId(self._next_owner)
         self._next_owner += 1
-        conn = _Conn(sock, ClientSession(owner, pid, self.runner, self.metrics, self._status,
-                                         self._peer_client if self.config.peer.peers else None))
+        conn = _Conn(sock, ClientSession(owner, pid, uid, self),
+                     time.monotonic() + self.config.handshake_timeout_s)
         self._conns[sock.fileno()] = conn
+        self._pending += 1
         sock.setblocking(False)
-        self._sel.register(sock, selectors.EVENT_READ, sock.fileno())
+        self._interest(conn)
         if uid not in self.config.allowed_uids:
             self._refuse(conn, CloseReason.NOT_ALLOWED,
                          f"uid {uid} is not allowed; start kvcr-guard with --allowed-uid {uid}")
-        elif len(self._conns) > self.config.max_clients:
+        elif self._pending > self.config.max_pending:
             self._refuse(conn, CloseReason.TOO_MANY_CLIENTS,
-                         f"{self.config.max_clients} clients attached already")
+                         f"{self.config.max_pending} connections wait to attach already")
+        self._publish_counts()
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -217,37 +322,47 @@ class AttachServer:
             self._close(conn, CloseReason.EOF, "client closed the connection")
             return
         conn.inbuf += self._recv_view[:n]
-        self._serve_frames(conn)
+        self._queue_if_ready(conn)
 
-    def _serve_frames(self, conn: _Conn) -> None:
-        fd = conn.sock.fileno()
-        while not conn.outbuf and fd in self._conns:
-            buf = conn.inbuf
-            if len(buf) < p.FRAME_HEADER.size:
-                return
-            (length,) = p.FRAME_HEADER.unpack_from(buf)
-            if length > p.MAX_FRAME_BYTES:
-                self._refuse(conn, CloseReason.OVERSIZED_FRAME,
-                             f"a {length}-byte frame (limit {p.MAX_FRAME_BYTES})")
-                return
-            end = p.FRAME_HEADER.size + length
-            if len(buf) < end:
-                return
-            payload = bytes(buf[p.FRAME_HEADER.size:end])
-            del buf[:end]
-            try:
-                reply, fds, close_after = conn.session.handle(payload)
-            except SessionClosed as exc:
-                self._refuse(conn, exc.reason, exc.detail, goodbye=exc.goodbye)
-                return
-            if conn.session.attached and not conn.counted:
-                conn.counted = True
-                self._watch_pid(conn)
-                self.metrics.set_clients(sum(c.session.attached for c in self._conns.values()))
-            self._send(conn, reply, fds)
-            if close_after:
-                self._close(conn, CloseReason.EOF, "status served")
-                return
+    def _queue_if_ready(self, conn: _Conn) -> None:
+        if not conn.queued and not conn.outbuf and conn.frame_ready():
+            conn.queued = True
+            self._runq.append(conn)
+        self._interest(conn)
+
+    def _serve_one(self, conn: _Conn) -> None:
+        """Serves the connection's next frame (it is complete, or announced too large)."""
+        buf = conn.inbuf
+        (length,) = p.FRAME_HEADER.unpack_from(buf)
+        if length > conn.frame_limit():
+            self._refuse(conn, CloseReason.OVERSIZED_FRAME,
+                         f"a {length}-byte frame (limit {conn.frame_limit()})")
+            return
+        end = p.FRAME_HEADER.size + length
+        payload = bytes(buf[p.FRAME_HEADER.size:end])
+        del buf[:end]
+        was_attached = conn.session.attached
+        try:
+            reply, fds, close_after = conn.session.handle(payload)
+        except SessionClosed as exc:
+            self._refuse(conn, exc.reason, exc.detail, goodbye=exc.goodbye)
+            return
+        if conn.session.attached and not was_attached:
+            self._on_attached(conn)
+        self._send(conn, reply, fds)
+        if close_after:
+            self._close(conn, CloseReason.EOF, "status served")
+        elif conn.sock.fileno() in self._conns:
+            self._queue_if_ready(conn)
+
+    def _on_attached(self, conn: _Conn) -> None:
+        conn.deadline = None
+        self._pending -= 1
+        self._watch_pid(conn)
+        store = conn.session.store
+        if store is not None:
+            self._last_used[store.digest] = time.monotonic()
+        self._publish_counts()
 
     def _send(self, conn: _Conn, frame: bytes, fds: list[int]) -> None:
         try:
@@ -263,7 +378,7 @@ class AttachServer:
             return
         if sent < len(frame):
             conn.outbuf += frame[sent:]
-            self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn.sock.fileno())
+            self._interest(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -275,8 +390,24 @@ class AttachServer:
             return
         del conn.outbuf[:sent]
         if not conn.outbuf:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn.sock.fileno())
-            self._serve_frames(conn)
+            self._queue_if_ready(conn)
+
+    def _interest(self, conn: _Conn) -> None:
+        """Watches what the connection needs: writable while replies wait, readable while it
+        has no frame queued or reply unsent (so its buffers stay bounded)."""
+        want = selectors.EVENT_WRITE if conn.outbuf else 0
+        if not conn.outbuf and not conn.queued:
+            want |= selectors.EVENT_READ
+        if want == conn.events:
+            return
+        fd = conn.sock.fileno()
+        if conn.events and want:
+            self._sel.modify(conn.sock, want, fd)
+        elif want:
+            self._sel.register(conn.sock, want, fd)
+        else:
+            self._sel.unregister(conn.sock)
+        conn.events = want
 
     def _watch_pid(self, conn: _Conn) -> None:
         pid = conn.session.peer_pid
@@ -299,34 +430,99 @@ class AttachServer:
         fd = conn.sock.fileno()
         if self._conns.pop(fd, None) is None:
             return
-        self._sel.unregister(conn.sock)
+        if conn.events:
+            self._sel.unregister(conn.sock)
         if conn.pidfd is not None:
             self._sel.unregister(conn.pidfd)
             os.close(conn.pidfd)
         conn.sock.close()
-        was_attached = conn.session.attached
-        aborted, released = conn.session.close()
-        self.metrics.connection_closed(
-            reason, sum(c.session.attached for c in self._conns.values()))
-        level = logging.INFO if reason in (CloseReason.EOF, CloseReason.CLIENT_DIED,
-                                           CloseReason.SHUTDOWN) else logging.WARNING
-        log.log(level, "client %d (pid %d%s) closed: %s: %s; reclaimed %d filling blocks, "
-                "%d leases", conn.session.owner, conn.session.peer_pid,
-                f", {conn.session.identity}" if was_attached else "", reason.value, detail,
-                aborted, released)
+        session = conn.session
+        was_attached = session.attached
+        if not was_attached:
+            self._pending -= 1
+        elif session.store is not None:
+            self._last_used[session.store.digest] = time.monotonic()
+        aborted, released = session.close()
+        self.metrics.connection_closed(reason)
+        self._publish_counts()
+        message = ("client %d (pid %d, uid %d%s) closed: %s: %s; reclaimed %d filling "
+                   "blocks, %d leases")
+        args = (session.owner, session.peer_pid, session.uid,
+                f", {printable(session.identity)}" if was_attached else "", reason.value,
+                printable(detail, 300), aborted, released)
+        if reason in _QUIET:
+            log.info(message, *args)
+        else:
+            self._warn.log(logging.WARNING, reason.value, message, *args)
+
+    def _publish_counts(self) -> None:
+        self.metrics.set_connections(len(self._conns) - self._pending, self._pending)
+
+    # -- timers ------------------------------------------------------------------------------
+
+    def _timeout(self) -> float:
+        now = time.monotonic()
+        due = [self._next_tick]
+        if self._accept_at:
+            due.append(self._accept_at)
+        due.extend(c.deadline for c in self._conns.values() if c.deadline is not None)
+        return max(0.0, min(due) - now)
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        if self._accept_at and now >= self._accept_at and self._listener is not None:
+            self._accept_at = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        for conn in [c for c in self._conns.values()
+                     if c.deadline is not None and c.deadline <= now]:
+            self._refuse(conn, CloseReason.HANDSHAKE_TIMEOUT,
+                         f"no Hello within {self.config.handshake_timeout_s} s")
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK_S
+            self._release_idle_namespaces(now)
+
+    def _release_idle_namespaces(self, now: float) -> None:
+        """Gives back the memory of namespaces nobody attached to, read or wrote for
+        `namespace_idle_s` (READY blocks leave the inventory as removed)."""
+        idle_s = self.config.namespace_idle_s
+        if idle_s is None:
+            return
+        in_use = {c.session.store.digest for c in self._conns.values()
+                  if c.session.store is not None}
+        for digest in self.runner.namespaces:
+            store = self.runner.namespace(digest)
+            index = store.index
+            if digest in in_use or index.leased_slots or index.filling_blocks:
+                self._last_used[digest] = now
+                continue
+            if now - self._last_used.setdefault(digest, now) < idle_s:
+                continue
+            fetcher = self._peer_clients.pop(digest, None)
+            if fetcher is not None:
+                fetcher.close()
+            if self.peer_server is not None:
+                self.peer_server.forget(store)
+            self.runner.release_namespace(digest)
+            del self._last_used[digest]
+            self.metrics.on_namespace_released()
+            log.info("namespace %s unused for %.0f s: its %d bytes are given back",
+                     digest.hex(), idle_s, store.pool.region.size_bytes)
+
+    # -- shutdown ----------------------------------------------------------------------------
 
     def _shutdown(self) -> None:
         log.info("kvcr runner shutting down: refusing new work, closing %d clients",
                  len(self._conns))
         if self._listener is not None:
-            self._sel.unregister(self._listener)
+            if not self._accept_at:
+                self._sel.unregister(self._listener)
             self._listener.close()
             self._listener = None
             if not self.config.abstract:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.config.socket_path)
         for conn in list(self._conns.values()):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):
                 conn.sock.setblocking(True)
                 conn.sock.settimeout(1.0)
                 self._read_pending(conn)
@@ -345,34 +541,8 @@ class AttachServer:
         if conn.outbuf:
             conn.sock.sendall(conn.outbuf)
             conn.outbuf.clear()
-        self._serve_frames(conn)
-        if conn.outbuf:
-            conn.sock.sendall(conn.outbuf)
-            conn.outbuf.clear()
-
-    # -- status ------------------------------------------------------------------------------
-
-    def _status(self) -> str:
-        clients: dict[bytes, int] = {}
-        for conn in self._conns.values():
-            store = conn.session.store
-            if store is not None:
-                clients[store.digest] = clients.get(store.digest, 0) + 1
-        namespaces: list[dict[str, Any]] = []
-        for digest in self.runner.namespaces:
-            store = self.runner.namespace(digest)
-            idx, pool = store.index, store.pool
-            namespaces.append({
-                "namespace": digest.hex(), "block_bytes": pool.slot_bytes,
-                "capacity_slots": idx.capacity_slots, "ready_blocks": idx.ready_blocks,
-                "filling_blocks": idx.filling_blocks, "free_slots": idx.free_slots,
-                "leased_slots": idx.leased_slots, "open_reservations": idx.open_reservations,
-                "open_leases": idx.open_leases, "evictions": idx.evictions,
-                "pool_bytes": pool.region.size_bytes, "clients": clients.get(digest, 0)})
-        return json.dumps({
-            "version": __version__, "pid": os.getpid(),
-            "socket": self.config.socket_path.replace("\0", "@"),
-            "uptime_s": round(time.monotonic() - self._started, 3),
-            "clients": sum(c.session.attached for c in self._conns.values()),
-            "peer_endpoint": self.peer_server.endpoint if self.peer_server else None,
-            "pool_bytes": self.config.runner.pool_bytes, "namespaces": namespaces})
+        while conn.sock.fileno() in self._conns and conn.frame_ready():
+            self._serve_one(conn)
+            if conn.outbuf:
+                conn.sock.sendall(conn.outbuf)
+                conn.outbuf.clear()

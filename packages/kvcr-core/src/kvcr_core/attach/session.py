@@ -1,20 +1,23 @@
 """`ClientSession`: the protocol state and operations of one attached client.
 
-A session starts NEW; a valid `Hello` opens (or joins) its namespace in the Runner and makes it
+A session starts NEW; a valid `Hello` for a namespace the client's uid may open (the host's
+policy: tenants, namespaces per uid) opens or joins it in the Runner and makes the session
 ATTACHED with its own owner id; every reservation and lease it takes is tagged with that id,
 so its departure (`close`) aborts what it was writing and releases what it was reading,
-never publishing a half-written block. Ops name ids the session owns, or do nothing.
-A protocol violation raises `SessionClosed` with a bounded reason; the server closes the
-connection and nothing else is affected.
+never publishing a half-written block. Ops name ids the session owns, or do nothing. Each
+client is bounded (`ClientLimits`): slots it holds FILLING or leased, open ops, fetches in
+flight. A protocol violation raises `SessionClosed` with a bounded reason; the server closes
+the connection and nothing else is affected.
 
-Threading: used only by the server's loop thread.
+Threading: used by one thread at a time (the server's loop thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 
@@ -28,7 +31,31 @@ from kvcr_core.peers.client import FetchHandle
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import BlockKey, OpId, OwnerId
 
-_MAX_TICKETS = 64
+
+@dataclasses.dataclass(frozen=True)
+class ClientLimits:
+    """What one attached client may hold at once."""
+
+    held_fraction: float = 0.5  # of its namespace's slots, FILLING or leased
+    ops: int = 1024  # open reservations and leases
+    tickets: int = 64  # peer fetches in flight
+
+
+class SessionHost(Protocol):
+    """What a session needs from the server that hosts it."""
+
+    runner: Runner
+    metrics: AttachMetrics
+    limits: ClientLimits
+
+    def status(self) -> str: ...
+
+    def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None: ...
+
+    def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None: ...
+
+    @property
+    def fetches_from_peers(self) -> bool: ...
 
 
 class SessionClosed(Exception):
@@ -47,20 +74,17 @@ class _State(enum.Enum):
 
 
 class ClientSession:
-    def __init__(self, owner: OwnerId, peer_pid: int, runner: Runner, metrics: AttachMetrics,
-                 status: Callable[[], str],
-                 peers: Callable[[NamespaceStore, str], PeerClient | None] | None = None
-                 ) -> None:
+    def __init__(self, owner: OwnerId, peer_pid: int, uid: int, host: SessionHost) -> None:
         self.owner = owner
         self.peer_pid = peer_pid
+        self.uid = uid
         self.identity = ""
         self.store: NamespaceStore | None = None
-        self._runner = runner
-        self._metrics = metrics
-        self._status = status
+        self.spec: NamespaceSpec | None = None
+        self._host = host
         self._state = _State.NEW
         self._seq = 0
-        self._peers = peers
+        self._held_limit = 0
         self._tickets: dict[int, FetchHandle] = {}
         self._next_ticket = 0
 
@@ -77,7 +101,7 @@ class ClientSession:
         if isinstance(message, p.Probe):
             if self._state is not _State.NEW:
                 raise SessionClosed(CloseReason.OUT_OF_ORDER, "Probe after Hello")
-            return p.encode_frame(p.StatusReport(self._status())), [], True
+            return p.encode_frame(p.StatusReport(self._host.status())), [], True
         if isinstance(message, p.Hello):
             return self._hello(message)
         return p.encode_frame(self._request(message)), [], False
@@ -90,16 +114,24 @@ class ClientSession:
                                 f"client speaks protocol {hello.protocol}, this runner "
                                 f"{p.PROTOCOL_VERSION}; install matching kvcr versions")
         try:
-            spec = NamespaceSpec.from_mapping(hello.namespace)
-            store = self._runner.open_namespace(spec, hello.block_bytes)
+            spec = NamespaceSpec.from_mapping(msgspec.structs.asdict(hello.namespace))
+        except ConfigError as exc:
+            raise SessionClosed(CloseReason.BAD_NAMESPACE, str(exc)) from None
+        refusal = self._host.admit(self.uid, spec)
+        if refusal is not None:
+            raise SessionClosed(*refusal)
+        try:
+            store = self._host.runner.open_namespace(spec, hello.block_bytes)
         except (ConfigError, ValueError) as exc:
             raise SessionClosed(CloseReason.BAD_NAMESPACE, str(exc)) from None
         except CapacityError as exc:
             raise SessionClosed(CloseReason.CAPACITY, str(exc)) from None
-        self.store = store
+        self.store, self.spec = store, spec
         self.identity = hello.identity[:128]
+        self._held_limit = max(1, int(store.index.capacity_slots
+                                      * self._host.limits.held_fraction))
         self._state = _State.ATTACHED
-        self._metrics.on_attach()
+        self._host.metrics.on_attach()
         pool = store.pool
         welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, store.digest, pool.slot_bytes,
                             pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes)
@@ -114,7 +146,7 @@ class ClientSession:
         self._seq = request.seq
         start = time.perf_counter()
         results = [self._run(op, self.store) for op in request.ops]
-        self._metrics.on_request(time.perf_counter() - start, len(request.ops))
+        self._host.metrics.on_request(time.perf_counter() - start, len(request.ops))
         return p.Reply(request.seq, results)
 
     @staticmethod
@@ -122,29 +154,25 @@ class ClientSession:
         return keys  # type: ignore[return-value]  # length and count checked by the decoder
 
     def _run(self, op: p.Op, store: NamespaceStore) -> p.Result:
-        owner = self.owner
         if isinstance(op, p.Lookup):
             return p.Count(store.lookup(self._keys(op.keys)))
         if isinstance(op, p.Contains):
             return p.Flags(store.contains(self._keys(op.keys)))
-        if isinstance(op, p.Reserve):
-            res = store.reserve(self._keys(op.keys), owner)
-            return p.Slots(res.op, [p.NO_SLOT if s is None else s for s in res.slots],
-                           res.granted, res.refused)
-        if isinstance(op, p.Acquire):
-            lease = store.acquire(self._keys(op.keys), owner, prefix_only=op.prefix_only)
-            return p.Slots(lease.op, [p.NO_SLOT if s is None else s for s in lease.slots],
-                           lease.granted, 0)
+        if isinstance(op, p.Reserve | p.Acquire):
+            return self._take(op, store)
         if isinstance(op, p.Commit):
-            return p.Count(store.commit(OpId(op.op), owner))
+            try:
+                return p.Count(store.commit(OpId(op.op), self.owner, op.checksums))
+            except ValueError as exc:
+                raise SessionClosed(CloseReason.MALFORMED, str(exc)) from None
         if isinstance(op, p.Abort):
-            return p.Count(store.abort(OpId(op.op), owner))
+            return p.Count(store.abort(OpId(op.op), self.owner))
         if isinstance(op, p.Release):
-            return p.Done(store.release(OpId(op.op), owner))
+            return p.Done(store.release(OpId(op.op), self.owner))
         if isinstance(op, p.Clear):
             return p.Count(store.clear())
         if isinstance(op, p.PostHint):
-            return p.Count(self._runner.post_hint(op.envelope))
+            return p.Count(self._host.runner.post_hint(op.envelope))
         if isinstance(op, p.HintSources):
             return self._hint_sources(op)
         if isinstance(op, p.PeerFetch):
@@ -156,17 +184,33 @@ class ClientSession:
                            idx.free_slots, idx.leased_slots, idx.open_reservations,
                            idx.open_leases, idx.evictions)
 
+    def _take(self, op: p.Reserve | p.Acquire, store: NamespaceStore) -> p.Slots:
+        """A reservation or a lease, within this client's limits (beyond them: refused)."""
+        keys = self._keys(op.keys)
+        if store.index.owner_ops(self.owner) >= self._host.limits.ops:
+            return p.Slots(0, [p.NO_SLOT] * len(keys), 0, len(keys))
+        if isinstance(op, p.Reserve):
+            res = store.reserve(keys, self.owner, limit=self._held_limit)
+            return p.Slots(res.op, [p.NO_SLOT if s is None else s for s in res.slots],
+                           res.granted, res.refused)
+        lease = store.acquire(keys, self.owner, prefix_only=op.prefix_only,
+                              limit=self._held_limit)
+        sums = store.checksums.of
+        return p.Slots(lease.op, [p.NO_SLOT if s is None else s for s in lease.slots],
+                       lease.granted, 0,
+                       [sums(s) for s in lease.slots if s is not None] if op.checksums else [])
+
     def _peer_fetch(self, op: p.PeerFetch, store: NamespaceStore) -> p.Result:
-        if self._peers is None:
+        if not self._host.fetches_from_peers:
             return p.Refused(RefusalReason.PEERS_OFF,
                              "this kvcr runner fetches from no peers (peers / --peer)")
-        client = self._peers(store, op.endpoint)
+        client = self._host.peer_client(store, op.endpoint)
         if client is None:
             return p.Refused(RefusalReason.PEER_NOT_ALLOWED,
                              f"{op.endpoint} is not a peer of this kvcr runner (peers / --peer)")
-        if len(self._tickets) >= _MAX_TICKETS:
+        if len(self._tickets) >= self._host.limits.tickets:
             return p.Refused(RefusalReason.BUSY,
-                             f"{_MAX_TICKETS} fetches of this client are in flight")
+                             f"{len(self._tickets)} fetches of this client are in flight")
         self._next_ticket += 1
         self._tickets[self._next_ticket] = client.fetch_async(
             op.endpoint, op.keys, op.deadline_ms / 1000)  # type: ignore[arg-type]
@@ -175,7 +219,7 @@ class ClientSession:
     def _hint_sources(self, op: p.HintSources) -> p.Sources:
         endpoints: list[str] = []
         index: list[int] = []
-        for source in self._runner.hint_board.sources(op.hashes):
+        for source in self._host.runner.hint_board.sources(op.hashes):
             if source is None:
                 index.append(-1)
                 continue
@@ -202,6 +246,6 @@ class ClientSession:
         if self.store is None:
             return 0, 0
         aborted, released = self.store.drop_owner(self.owner)
-        self._metrics.on_reclaim(aborted, released)
+        self._host.metrics.on_reclaim(aborted, released)
         self.store = None
         return aborted, released

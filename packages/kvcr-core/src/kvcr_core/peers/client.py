@@ -154,7 +154,7 @@ class PeerClient:
         present = self.store.contains(keys)
         statuses = [FetchStatus.PRESENT if p else FetchStatus.TIMEOUT for p in present]
         job = FetchJob(keys, [None] * len(keys), [i for i, p in enumerate(present) if not p],
-                       statuses, [], time.monotonic() + deadline_s, cancel)
+                       statuses, {}, time.monotonic() + deadline_s, cancel)
         detail = ""
         transport = None
         if job.wanted:

@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvcr_core.checksums import SlotChecksums
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
-from kvcr_core.peers.checksums import SlotChecksums
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, OpId, OwnerId, SlotId
@@ -46,7 +46,7 @@ class FetchJob:
     slots: list[SlotId | None]  # where each lands, once reserved (after the Fetch is sent)
     wanted: list[int]  # the keys asked of the peer (those not READY here when asked)
     statuses: list[FetchStatus]
-    keep: list[BlockKey]  # keys whose bytes arrived whole and verified: published
+    keep: dict[BlockKey, int]  # keys whose bytes arrived whole and verified, and their sums
     deadline: float
     cancel: threading.Event | None
     received: int = 0

@@ -44,8 +44,8 @@ import struct
 from typing import Annotated, Final
 
 import msgspec
-import xxhash
 
+from kvcr_core.checksums import block_checksum as checksum  # noqa: F401 (the wire's checksum)
 from kvcr_core.wire import Message, encode_frame
 from kvcr_core.wire import PostHint as PostHint
 
@@ -194,7 +194,3 @@ def decode_to_client(payload: bytes | bytearray) -> ToClient:
 
 
 CHECKSUM = struct.Struct("<Q")
-
-
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)

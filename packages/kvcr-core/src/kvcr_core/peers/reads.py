@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 
 import msgspec
 
+from kvcr_core.checksums import block_checksum
 from kvcr_core.framing import FrameError, readable, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
@@ -298,7 +299,7 @@ class _ChunkReads:
                 request.wait(deadline)
         finally:
             request.release()
-        view, checksum = self.view, pp.checksum
+        view, checksum = self.view, block_checksum
         return [checksum(view(slot)) for slot in self.slots[n]]
 
 
@@ -372,7 +373,7 @@ def _take_verdicts(job: FetchJob, chunks: Sequence[Sequence[_Block]],
                 continue
             if digest == sums[nth]:
                 statuses[i] = ok
-                keep.append(keys[i])
+                keep[keys[i]] = digest
             else:
                 statuses[i] = bad
 

@@ -3,8 +3,10 @@
 Threading: one accept thread, one thread per connection (bounded by `max_connections`; more
 are refused as busy), each blocking with an I/O deadline so a silent peer costs a thread for
 at most `io_timeout_s`. Blocks are leased while they are sent or read (never evicted
-mid-transfer) and leave straight from pool memory (no copy). Each block's checksum is
-computed once per slot generation and reused (`SlotChecksums`). The server keeps serving
+mid-transfer) and leave straight from pool memory (no copy). Each block is served with the
+checksum its writer fixed at commit (`NamespaceStore.checksums`), never one taken from the
+bytes as they are now, so a block changed in the pool after its commit fails every peer's
+check. The server keeps serving
 whatever happens to the engines attached to the same Runner (in kvcr-guard it lives in the
 daemon).
 
@@ -29,7 +31,6 @@ from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
-from kvcr_core.peers.checksums import SlotChecksums
 from kvcr_core.peers.connection import SourceConnection
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.nixl_engine import nixl_installed
@@ -81,7 +82,6 @@ class PeerServer:
         self._workers: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._owners = itertools.count(_PEER_OWNER_BASE)
-        self._sums: dict[NamespaceDigest, SlotChecksums] = {}  # one per namespace served
         # (transport, namespace) -> what a peer needs to reach the exposed pool
         self._exposed: dict[tuple[Transport, NamespaceDigest], tuple[PeerTransport,
                                                                       NamespaceStore, bytes]] = {}
@@ -114,6 +114,14 @@ class PeerServer:
             worker.join(timeout=5)
         for transport, store, _ in exposed.values():
             transport.unexpose(store)
+
+    def forget(self, store: NamespaceStore) -> None:
+        """`store`'s namespace is going away: undo what exposed its pool to transports."""
+        with self._lock:
+            gone = [key for key in self._exposed if key[1] == store.digest]
+            exposed = [self._exposed.pop(key) for key in gone]
+        for transport, namespace, _ in exposed:
+            transport.unexpose(namespace)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -196,7 +204,7 @@ class PeerServer:
         features = frozenset(auth.features) & frozenset(transport.features)
         sock.sendall(pp.encode(pp.Ready(transport.kind, reach, sorted(features))))
         self.metrics.on_connection(transport.kind)
-        return SourceConnection(sock, store, owner, transport, self._checksums(store),
+        return SourceConnection(sock, store, owner, transport, store.checksums,
                                 self.metrics, self.io_timeout_s, features)
 
     def _namespace(self, auth: pp.Auth) -> NamespaceStore:
@@ -229,13 +237,6 @@ class PeerServer:
             if exposed is not None:
                 return transport, exposed[2]
         return self._tcp, b""
-
-    def _checksums(self, store: NamespaceStore) -> SlotChecksums:
-        sums = self._sums.get(store.digest)
-        if sums is None:
-            with self._lock:
-                sums = self._sums.setdefault(store.digest, SlotChecksums(store))
-        return sums
 
     def _inventory(self, sock: socket.socket, request: pp.Inventory) -> None:
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from kvcr_core.checksums import block_checksum
 from kvcr_core.framing import FrameError, recv_exact_into, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
@@ -53,7 +54,7 @@ class TcpTransport(PeerTransport):
         if reply.seq != conn.seq or len(reply.found) != len(job.wanted):
             raise FrameError("a Blocks reply that does not match the Fetch")
         pool = conn.store.pool
-        view, checksum, unpack = pool.view, pp.checksum, pp.CHECKSUM.unpack
+        view, checksum, unpack = pool.view, block_checksum, pp.CHECKSUM.unpack
         trailer = bytearray(pp.CHECKSUM.size)
         skipped: memoryview | None = None
         for i, found in zip(job.wanted, reply.found, strict=True):
@@ -77,7 +78,7 @@ class TcpTransport(PeerTransport):
             job.received += len(target)
             if got == unpack(trailer)[0]:
                 job.statuses[i] = FetchStatus.OK
-                job.keep.append(job.keys[i])
+                job.keep[job.keys[i]] = got
             else:
                 job.statuses[i] = FetchStatus.CHECKSUM
         return True
