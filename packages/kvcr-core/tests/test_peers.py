@@ -43,10 +43,11 @@ from kvcr_core.testing import (
 )
 from kvcr_core.types import NamespaceDigest
 
-SECRET = PeerSecret(b"correct horse battery staple!!")
+SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 NODE = str(Path(__file__).with_name("peer_node.py"))
+NODE_SECRET = "two-process-test-secret-0123456789"
 NO_NIXL = "nixl is not installed (pip install 'kvcr-core[nixl]')"
 
 
@@ -307,13 +308,13 @@ def test_two_processes_transfer_1000_blocks_exactly(transport) -> None:
     """Across real processes over loopback: 1,000 blocks, every byte checked, over the
     transport both sides have."""
     transport.across_processes()
-    server = run_node("serve", "x" * 24, "127.0.0.1", "1000", str(BLOCK), transport.value)
+    server = run_node("serve", NODE_SECRET, "127.0.0.1", "1000", str(BLOCK), transport.value)
     try:
         assert server.stdout is not None
         line = server.stdout.readline()
         assert line, server.stderr.read() if server.stderr else ""
         endpoint = json.loads(line)["endpoint"]
-        out = subprocess.run([sys.executable, NODE, "fetch", "x" * 24, endpoint, "1000",
+        out = subprocess.run([sys.executable, NODE, "fetch", NODE_SECRET, endpoint, "1000",
                               str(BLOCK), transport.value], capture_output=True, text=True,
                              timeout=180, check=True)
         report = json.loads(out.stdout)
@@ -342,7 +343,7 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transpo
     forced onto the veth with UCX_TLS=tcp, as between hosts)."""
     a, b, address = netns_pair
     ucx = transport.kind is Transport.NIXL
-    server = run_node("serve", "y" * 24, address, "1000", str(BLOCK), transport.value,
+    server = run_node("serve", NODE_SECRET, address, "1000", str(BLOCK), transport.value,
                       prefix=["ip", "netns", "exec", a],
                       env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrpnva"} if ucx else None)
     try:
@@ -351,7 +352,7 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transpo
         assert line, server.stderr.read() if server.stderr else ""
         endpoint = json.loads(line)["endpoint"]
         assert endpoint.startswith(f"tcp://{address}:")
-        out = subprocess.run(["ip", "netns", "exec", b, sys.executable, NODE, "fetch", "y" * 24,
+        out = subprocess.run(["ip", "netns", "exec", b, sys.executable, NODE, "fetch", NODE_SECRET,
                               endpoint, "1000", str(BLOCK), transport.value],
                              capture_output=True, text=True, timeout=180, check=True,
                              env={**os.environ, **({"UCX_TLS": "tcp",
@@ -389,7 +390,7 @@ def test_inventory_events_follow_stores_and_evictions() -> None:
     assert stored == {router_hash_kvcr_v1(k) for k in keys[4:]} and len(removed) == 2
     assert reader.poll() == (False, [])
     with pytest.raises(ConnectionError, match="auth"):
-        InventoryReader(server.endpoint, PeerSecret(b"z" * 32)).poll()
+        InventoryReader(server.endpoint, PeerSecret(b"a-different-secret-zzz-0123456789abc")).poll()
     log = InventoryLog(max_batches=2, max_events=1)
     for k in keys:
         log.stored(NS, [k])

@@ -44,7 +44,7 @@ from kvcr_core.types import BlockKey, NamespaceDigest
 if not nixl_installed():
     pytest.skip("nixl is not installed (pip install 'kvcr-core[nixl]')", allow_module_level=True)
 
-SECRET = PeerSecret(b"correct horse battery staple!!")
+SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 
@@ -211,8 +211,9 @@ def test_nixl_loads_only_when_a_peer_asks_for_it() -> None:
         "r = Runner(KVCRConfig(pool_bytes=1 << 20))\n"
         "s = r.open_namespace(b'x' * 16, 4096)\n"
         "m = PeerMetrics(CollectorRegistry())\n"
-        "server = PeerServer(r, PeerSecret(b'y' * 32), m, nixl=False)\n"
-        "client = PeerClient(s, PeerSecret(b'y' * 32), m, nixl=False)\n"
+        "key = PeerSecret(b'import-purity-test-secret-0123456789')\n"
+        "server = PeerServer(r, key, m, nixl=False)\n"
+        "client = PeerClient(s, key, m, nixl=False)\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in "
         "('nixl', 'nixl_cu12', 'nixl_cu13', 'torch')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -112,7 +112,7 @@ def test_nixl_between_guards_is_opt_in() -> None:
 
     base = ["--socket", "/tmp/x.sock", "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
             "TEST_NIXL_PEER_SECRET"]
-    os.environ["TEST_NIXL_PEER_SECRET"] = "s" * 32
+    os.environ["TEST_NIXL_PEER_SECRET"] = "nixl-opt-in-test-secret-0123456789"
     try:
         assert not config_from_args(build_parser().parse_args(base)).server.peer.nixl
         assert config_from_args(build_parser().parse_args([*base, "--peer-nixl"])).server.peer.nixl

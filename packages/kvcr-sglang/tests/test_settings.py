@@ -66,7 +66,7 @@ def test_shipped_example_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> N
     from pathlib import Path
 
     examples = Path(__file__).resolve().parents[3] / "examples" / "sglang"
-    monkeypatch.setenv("KVCR_PEER_SECRET", "s" * 32)
+    monkeypatch.setenv("KVCR_PEER_SECRET", "settings-test-secret-0123456789abcdef")
     for name in ("hicache-guarded.json", "hicache-embedded.json"):
         BackendSettings.from_extra_config(json.loads((examples / name).read_text()))
     linker = json.loads((examples / "linker.json").read_text())

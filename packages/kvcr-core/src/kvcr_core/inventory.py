@@ -62,10 +62,16 @@ class InventoryLog:
                 self._seal()
 
     def _seal(self) -> None:
+        """Closes the open events into batches of at most `max_events` stored and as many
+        removed hashes each (one store of many keys becomes several batches), so any batch
+        fits a peer frame."""
+        step = self.max_events
         for namespace, (stored, removed) in self._open.items():
-            self._batches.append(InventoryBatch(self._next_seq, namespace,
-                                                self._hashes(stored), self._hashes(removed)))
-            self._next_seq += 1
+            for start in range(0, max(len(stored), len(removed)), step):
+                self._batches.append(InventoryBatch(
+                    self._next_seq, namespace, self._hashes(stored[start:start + step]),
+                    self._hashes(removed[start:start + step])))
+                self._next_seq += 1
         self._open.clear()
         self._open_events = 0
         self._open_keys_sized = True

@@ -1,9 +1,9 @@
 """`kvcr`: the operator's and router author's command line.
 
 Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
-sglang), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `status --socket PATH`,
-`--version`. Each subcommand lives in its own module and is imported only when chosen, so
-`kvcr --version` stays instant.
+sglang), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `secret generate`,
+`status --socket PATH`, `--version`. Each subcommand lives in its own module and is imported
+only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
 """
 
@@ -38,6 +38,12 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", help="a .json, .yaml or .yml config file")
     check.add_argument("--no-env", action="store_true",
                        help="ignore KVCR_* environment variables")
+
+    secret = sub.add_parser("secret", help="peer secrets")
+    secret_sub = secret.add_subparsers(dest="secret", required=True)
+    generate = secret_sub.add_parser("generate", help="make a strong shared peer secret")
+    generate.add_argument("--out", help="write it to this new file (mode 0600) instead of "
+                          "printing it")
 
     status = sub.add_parser("status", help="print the state of a kvcr-guard pool")
     status.add_argument("--socket", required=True, help="the kvcr-guard socket path")
@@ -82,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcr_core.cli.config_cmd import run_config_check
 
         return run_config_check(args.file, use_env=not args.no_env)
+    if args.command == "secret":
+        from kvcr_core.cli.secret_cmd import run_secret_generate
+
+        return run_secret_generate(args.out)
     if args.command == "status":
         from kvcr_core.cli.status_cmd import run_status
 

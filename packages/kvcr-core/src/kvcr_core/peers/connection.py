@@ -119,9 +119,6 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
         raise PeerRefused(challenge.reason, challenge.detail)
     if not isinstance(challenge, pp.Challenge):
         raise FrameError("expected Challenge")
-    if not secret.check(b"server", challenge.nonce, nonce, challenge.mac):
-        raise PeerRefused(pp.RefuseReason.AUTH,
-                          f"{endpoint} does not know the shared peer secret")
     sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce), namespace,
                                    block_bytes, list(transports), list(features))))
     ready = pp.decode_to_client(recv_frame(sock)[0])
@@ -129,5 +126,8 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
         raise PeerRefused(ready.reason, ready.detail)
     if not isinstance(ready, pp.Ready):
         raise FrameError("expected Ready")
+    if not secret.check(b"server", challenge.nonce, nonce, ready.mac):
+        raise PeerRefused(pp.RefuseReason.AUTH,
+                          f"{endpoint} does not know the shared peer secret")
     return ready
 

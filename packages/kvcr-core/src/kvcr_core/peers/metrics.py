@@ -31,7 +31,7 @@ class PeerMetrics(LightMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
         self.fetched = {s.value: 0 for s in FetchStatus}
-        self.fetched_bytes = self.served_blocks = self.served_bytes = 0
+        self.fetched_bytes = self.served_blocks = self.served_bytes = self.accept_errors = 0
         self.refused = {r.value: 0 for r in RefuseReason}
         # production transports from the start; the loopback of tests once it is used
         self.connections = {t.value: 0 for t in (Transport.TCP, Transport.NIXL)}
@@ -52,6 +52,10 @@ class PeerMetrics(LightMetrics):
         with self.lock:
             self.connections[transport.value] = self.connections.get(transport.value, 0) + 1
 
+    def on_accept_error(self) -> None:
+        with self.lock:
+            self.accept_errors += 1
+
     def on_refused(self, reason: RefuseReason) -> None:
         with self.lock:
             self.refused[reason.value] += 1
@@ -69,6 +73,9 @@ class PeerMetrics(LightMetrics):
             yield self.labelled("kvcr_peer_connections_total",
                                 "Peer connections served, by the transport negotiated",
                                 "transport", dict(self.connections))
+            yield self.counter("kvcr_peer_accept_errors_total",
+                               "Connections the peer port could not accept (e.g. out of "
+                               "descriptors)", self.accept_errors)
             yield self.labelled("kvcr_peer_refusals_total",
                                 "Peer connections refused, by reason", "reason",
                                 dict(self.refused))

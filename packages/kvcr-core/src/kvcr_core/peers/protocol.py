@@ -1,14 +1,19 @@
-"""The peer wire protocol, version 1 (docs/peers.md): framed msgpack control messages, and
+"""The peer wire protocol, version 2 (docs/peers.md): framed msgpack control messages, and
 raw block bytes streamed after a fetch reply.
 
 Handshake (destination = client, source = server):
   C -> S  Hello(version, nonce_c)
-  S -> C  Challenge(version, nonce_s, HMAC(secret, "server", nonce_s, nonce_c))
+  S -> C  Challenge(version, nonce_s)
   C -> S  Auth(HMAC(secret, "client", nonce_c, nonce_s), namespace digest, block_bytes,
                transports offered beyond TCP, features offered)
-  S -> C  Ready(transport, NIXL agent metadata if "nixl", features accepted)
+  S -> C  Ready(HMAC(secret, "server", nonce_s, nonce_c), transport, NIXL agent metadata if
+                "nixl", features accepted)
           |  Refused(reason, detail)
-Both sides check the other's MAC; the namespace is checked only after authentication. The
+The client proves it knows the secret first, and the source answers with its own proof only
+then: an unauthenticated connection learns nothing it could test guesses of the secret
+against offline (version 1 sent the source's MAC in the Challenge). Both sides check the
+other's MAC; the namespace is checked only after authentication. Before authentication a
+source takes frames of at most `MAX_HANDSHAKE_FRAME_BYTES`. The
 source picks NIXL only when the destination offered it and it has NIXL running itself;
 otherwise (and always with TLS) blocks travel over this TCP connection. Then, any number of
 times, on a TCP connection:
@@ -49,9 +54,11 @@ from kvcr_core.checksums import block_checksum as checksum  # noqa: F401 (the wi
 from kvcr_core.wire import Message, encode_frame
 from kvcr_core.wire import PostHint as PostHint
 
-PEER_PROTOCOL_VERSION: Final = 1
+PEER_PROTOCOL_VERSION: Final = 2
+MAX_HANDSHAKE_FRAME_BYTES: Final = 4096
 MAX_KEYS_PER_FETCH: Final = 4096
-MAX_INVENTORY_BATCHES: Final = 16  # 16 batches of <= 4096 events fit a 1 MiB frame
+MAX_INVENTORY_BATCHES: Final = 16  # asked for at most; a reply carries what fits a frame
+INVENTORY_REPLY_BYTES: Final = 960 << 10  # a reply's batches stop short of this (1 MiB frames)
 MAX_AGENT_METADATA_BYTES: Final = 64 << 10  # a UCX agent's is about 0.5 KiB
 LATE_CHECKSUMS: Final = "late_checksums"  # the one feature so far (see the module docstring)
 
@@ -68,7 +75,6 @@ class Hello(Message, tag="hello"):
 class Challenge(Message, tag="challenge"):
     version: int
     nonce: Nonce
-    mac: Mac
 
 
 class Transport(enum.Enum):
@@ -101,6 +107,7 @@ class Auth(Message, tag="auth"):
 
 
 class Ready(Message, tag="ready"):
+    mac: Mac  # the source's proof, given only to a client that proved its own
     transport: Transport = Transport.TCP
     nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
     features: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(

@@ -1,12 +1,19 @@
 """`PeerServer`: serves a Runner's READY blocks to authenticated peers.
 
-Threading: one accept thread, one thread per connection (bounded by `max_connections`; more
-are refused as busy), each blocking with an I/O deadline so a silent peer costs a thread for
-at most `io_timeout_s`. Blocks are leased while they are sent or read (never evicted
-mid-transfer) and leave straight from pool memory (no copy). Each block is served with the
-checksum its writer fixed at commit (`NamespaceStore.checksums`), never one taken from the
-bytes as they are now, so a block changed in the pool after its commit fails every peer's
-check. The server keeps serving
+Threading: one accept thread, one thread per connection, each blocking with an I/O deadline.
+Before authentication a connection is one of at most `max_pending` (beyond: closed at once,
+counted), must finish the handshake within `handshake_timeout_s`, and may send frames of at
+most `MAX_HANDSHAKE_FRAME_BYTES`; authenticated connections are counted apart (at most
+`max_connections`), so unauthenticated ones can never crowd out peers and routers that know
+the secret. A silent authenticated peer costs a thread for at most `io_timeout_s`. Accept
+errors (out of descriptors included) back off and retry: serving never stops but by `close`;
+a fault while serving one connection ends that connection only. Refusals are counted and
+their log lines throttled.
+
+Blocks are leased while they are sent or read (never evicted mid-transfer) and leave straight
+from pool memory (no copy). Each block is served with the checksum its writer fixed at commit
+(`NamespaceStore.checksums`), never one taken from the bytes as they are now, so a block
+changed in the pool after its commit fails every peer's check. The server keeps serving
 whatever happens to the engines attached to the same Runner (in kvcr-guard it lives in the
 daemon).
 
@@ -23,12 +30,14 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
 
 from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.framing import FrameError, recv_frame
+from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.connection import SourceConnection
@@ -43,6 +52,7 @@ from kvcr_core.types import NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.peers")
 _PEER_OWNER_BASE = 1 << 40  # owner ids of peer connections never clash with guard clients
+_ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pause
 
 
 class _Refuse(Exception):
@@ -60,13 +70,19 @@ class PeerServer:
 
     def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
+                 max_pending: int = 16, handshake_timeout_s: float = 2.0,
                  io_timeout_s: float = 30.0, tls: PeerTLS | None = None,
                  nixl: bool = False, transports: Sequence[PeerTransport] = ()) -> None:
         self.runner = runner
         self.secret = secret
         self.metrics = metrics
         self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.handshake_timeout_s = handshake_timeout_s
         self.io_timeout_s = io_timeout_s
+        self._pending = 0  # connections not authenticated yet
+        self._authenticated = 0
+        self._warn = ThrottledLog(log)
         self._tls = tls.server_context() if tls is not None else None
         extra = list(transports)
         if nixl and nixl_installed() and not any(t.kind is Transport.NIXL for t in extra):
@@ -126,34 +142,58 @@ class PeerServer:
     # -- connections ---------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        pause = 0.0
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.io_timeout_s)
+            except OSError as exc:
+                if self._closed:
+                    return
+                self.metrics.on_accept_error()
+                pause = min(_ACCEPT_PAUSE_S[1], max(_ACCEPT_PAUSE_S[0], pause * 2))
+                self._warn.log(logging.WARNING, "accept", "peer server cannot accept (%s); "
+                               "accepting again in %.2f s", exc, pause)
+                time.sleep(pause)
+                continue
+            pause = 0.0
             with self._lock:
-                busy = len(self._conns) >= self.max_connections
+                busy = self._pending >= self.max_pending
                 if not busy:
+                    self._pending += 1
                     self._conns.add(conn)
-            if busy:
-                self._refuse(conn, RefuseReason.BUSY, "too many peer connections; retry later")
+            if busy:  # a flood of connections that do not authenticate: no work for them
+                self.metrics.on_refused(RefuseReason.BUSY)
                 conn.close()
                 continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.handshake_timeout_s)
             worker = threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
                                       daemon=True)
             with self._lock:
                 self._workers.add(worker)
             worker.start()
 
+    def _admit(self, sock: socket.socket) -> None:
+        """The connection authenticated: counted apart from pending ones, bounded."""
+        with self._lock:
+            self._pending -= 1
+            busy = self._authenticated >= self.max_connections
+            if not busy:
+                self._authenticated += 1
+        if busy:
+            self._pending += 1  # undone where the connection ends, as for pending ones
+            raise _Refuse(RefuseReason.BUSY, "too many peer connections; retry later")
+        sock.settimeout(self.io_timeout_s)
+
     def _serve(self, raw: socket.socket) -> None:
         owner = OwnerId(next(self._owners))
         sock = raw
+        authenticated = False
         try:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(raw, server_side=True)
             conn = self._handshake(sock, owner)
+            authenticated = True
             while True:
                 if conn is None:  # an inventory reader (a router)
                     message = pp.decode_to_server(recv_frame(sock)[0])
@@ -173,36 +213,47 @@ class PeerServer:
             self._refuse(sock, RefuseReason.MALFORMED, str(exc))
         except OSError:
             pass  # the peer went away, went silent past the deadline, or failed TLS
+        except Exception as exc:  # a fault of ours: this connection only
+            self._warn.log(logging.ERROR, "internal", "peer connection failed: %s",
+                           printable(exc), exc_info=True)
         finally:
             with self._lock:
                 self._conns.discard(raw)
                 self._workers.discard(threading.current_thread())
+                if authenticated:
+                    self._authenticated -= 1
+                else:
+                    self._pending -= 1
             sock.close()
 
     def _handshake(self, sock: socket.socket, owner: OwnerId) -> SourceConnection | None:
         """The peer's connection in its namespace, on the transport both agree on; None for
-        an inventory reader."""
-        hello = pp.decode_to_server(recv_frame(sock)[0])
+        an inventory reader. The peer proves it knows the secret before this source says
+        anything that depends on it (its own proof goes in Ready)."""
+        limit = pp.MAX_HANDSHAKE_FRAME_BYTES
+        hello = pp.decode_to_server(recv_frame(sock, limit=limit)[0])
         if not isinstance(hello, pp.Hello):
             raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
         if hello.version != pp.PEER_PROTOCOL_VERSION:
             raise _Refuse(RefuseReason.VERSION, f"peer speaks {hello.version}, this runner "
                           f"{pp.PEER_PROTOCOL_VERSION}: run matching kvcr versions")
         nonce = new_nonce()
-        sock.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce,
-                                            self.secret.prove(b"server", nonce, hello.nonce))))
-        auth = pp.decode_to_server(recv_frame(sock)[0])
+        sock.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce)))
+        auth = pp.decode_to_server(recv_frame(sock, limit=limit)[0])
         if not isinstance(auth, pp.Auth):
             raise _Refuse(RefuseReason.MALFORMED, "expected Auth")
         if not self.secret.check(b"client", hello.nonce, nonce, auth.mac):
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
+        proof = self.secret.prove(b"server", nonce, hello.nonce)
         if not auth.namespace:
-            sock.sendall(pp.encode(pp.Ready()))
+            self._admit(sock)
+            sock.sendall(pp.encode(pp.Ready(proof)))
             return None
         store = self._namespace(auth)
         transport, reach = self._choose(store, auth.transports)
         features = frozenset(auth.features) & frozenset(transport.features)
-        sock.sendall(pp.encode(pp.Ready(transport.kind, reach, sorted(features))))
+        self._admit(sock)
+        sock.sendall(pp.encode(pp.Ready(proof, transport.kind, reach, sorted(features))))
         self.metrics.on_connection(transport.kind)
         return SourceConnection(sock, store, owner, transport, store.checksums,
                                 self.metrics, self.io_timeout_s, features)
@@ -239,14 +290,23 @@ class PeerServer:
         return self._tcp, b""
 
     def _inventory(self, sock: socket.socket, request: pp.Inventory) -> None:
+        """The batches after `since` that fit one frame (at least one; a batch holds at most
+        `InventoryLog.max_events` hashes of each kind); the reader asks again for the rest."""
         reset, batches = self.runner.inventory.read(request.since, request.max_batches)
+        out: list[pp.InventoryBatchMsg] = []
+        size = 0
+        for b in batches:
+            size += 64 + 9 * (len(b.stored) + len(b.removed))  # msgpack: <= 9 bytes a u64
+            if out and size > pp.INVENTORY_REPLY_BYTES:
+                break
+            out.append(pp.InventoryBatchMsg(b.seq, b.namespace, b.stored.tolist(),
+                                            b.removed.tolist()))
         sock.sendall(pp.encode(pp.InventoryReply(
-            reset, self.runner.inventory.epoch, self.runner.inventory.last_seq,
-            [pp.InventoryBatchMsg(b.seq, b.namespace, b.stored.tolist(), b.removed.tolist())
-             for b in batches])))
+            reset, self.runner.inventory.epoch, self.runner.inventory.last_seq, out)))
 
     def _refuse(self, conn: socket.socket, reason: RefuseReason, detail: str) -> None:
         self.metrics.on_refused(reason)
-        log.warning("peer connection refused (%s): %s", reason.value, detail)
+        self._warn.log(logging.WARNING, reason.value, "peer connection refused (%s): %s",
+                       reason.value, printable(detail, 300))
         with contextlib.suppress(OSError):
             conn.sendall(pp.encode(pp.Refused(reason, detail)))

@@ -168,14 +168,14 @@ class FakePeerSource:
             hello = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(hello, pp.Hello)
             nonce = os.urandom(32)
-            conn.sendall(pp.encode(pp.Challenge(1, nonce, self.secret.prove(b"server", nonce,
-                                                                             hello.nonce))))
+            conn.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce)))
             auth = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(auth, pp.Auth)
             self.late = self.nixl and pp.LATE_CHECKSUMS in auth.features
-            conn.sendall(pp.encode(pp.Ready(self.transport.kind, self.metadata,
+            proof = self.secret.prove(b"server", nonce, hello.nonce)
+            conn.sendall(pp.encode(pp.Ready(proof, self.transport.kind, self.metadata,
                                             [pp.LATE_CHECKSUMS] if self.late else [])
-                                   if self.transport is not None else pp.Ready()))
+                                   if self.transport is not None else pp.Ready(proof)))
             fetch = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(fetch, pp.Fetch)
             blocks = [pattern_block(k, self.block_bytes) for k in fetch.keys]
