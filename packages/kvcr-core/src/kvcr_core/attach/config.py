@@ -5,7 +5,8 @@ kvcr-guard builds it from its flags; embedded mode from the engine's settings.
 Access policy: a client connects only with a uid in `allowed_uids`; it opens a namespace of
 tenant T (`NamespaceSpec.tenant`) only if `tenants` does not name T or names its uid; one uid
 holds at most `uid_max_namespaces` namespaces at once. Pre-attach bounds: at most
-`max_pending` connections that have not said Hello yet, each for at most
+`max_pending` connections that have not said Hello yet (one more closes the one that waited
+longest: an engine says Hello at once, an idle flood cannot keep it out), each for at most
 `handshake_timeout_s`; attached clients are counted apart (`max_clients`), so unattached ones
 can never crowd them out.
 """

@@ -305,9 +305,12 @@ class AttachServer:
         if uid not in self.config.allowed_uids:
             self._refuse(conn, CloseReason.NOT_ALLOWED,
                          f"uid {uid} is not allowed; start kvcr-guard with --allowed-uid {uid}")
-        elif self._pending > self.config.max_pending:
-            self._refuse(conn, CloseReason.TOO_MANY_CLIENTS,
-                         f"{self.config.max_pending} connections wait to attach already")
+        elif self._pending > self.config.max_pending:  # the oldest waiter goes, not the newest:
+            oldest = min((c for c in self._conns.values() if c.deadline is not None),
+                         key=lambda c: c.deadline or 0.0)  # an engine says Hello at once
+            self._refuse(oldest, CloseReason.TOO_MANY_CLIENTS,
+                         f"{self.config.max_pending} connections wait to attach; the oldest "
+                         "goes")
         self._publish_counts()
 
     def _read(self, conn: _Conn) -> None:

@@ -1,14 +1,15 @@
 """`PeerServer`: serves a Runner's READY blocks to authenticated peers.
 
 Threading: one accept thread, one thread per connection, each blocking with an I/O deadline.
-Before authentication a connection is one of at most `max_pending` (beyond: closed at once,
-counted), must finish the handshake within `handshake_timeout_s`, and may send frames of at
-most `MAX_HANDSHAKE_FRAME_BYTES`; authenticated connections are counted apart (at most
-`max_connections`), so unauthenticated ones can never crowd out peers and routers that know
-the secret. A silent authenticated peer costs a thread for at most `io_timeout_s`. Accept
-errors (out of descriptors included) back off and retry: serving never stops but by `close`;
-a fault while serving one connection ends that connection only. Refusals are counted and
-their log lines throttled.
+Before authentication a connection is one of at most `max_pending` (one more closes the one
+that waited longest, counted: a peer that knows the secret authenticates at once, so a flood
+of idle connections cannot keep it out), must finish the handshake within
+`handshake_timeout_s`, and may send frames of at most `MAX_HANDSHAKE_FRAME_BYTES`;
+authenticated connections are counted apart (at most `max_connections`), so unauthenticated
+ones can never crowd out peers and routers that know the secret. A silent authenticated peer
+costs a thread for at most `io_timeout_s`. Accept errors (out of descriptors included) back
+off and retry: serving never stops but by `close`; a fault while serving one connection ends
+that connection only. Refusals are counted and their log lines throttled.
 
 Blocks are leased while they are sent or read (never evicted mid-transfer) and leave straight
 from pool memory (no copy). Each block is served with the checksum its writer fixed at commit
@@ -81,6 +82,7 @@ class PeerServer:
         self.handshake_timeout_s = handshake_timeout_s
         self.io_timeout_s = io_timeout_s
         self._pending = 0  # connections not authenticated yet
+        self._waiting: dict[socket.socket, None] = {}  # those, oldest first
         self._authenticated = 0
         self._warn = ThrottledLog(log)
         self._tls = tls.server_context() if tls is not None else None
@@ -157,14 +159,16 @@ class PeerServer:
                 continue
             pause = 0.0
             with self._lock:
-                busy = self._pending >= self.max_pending
-                if not busy:
-                    self._pending += 1
-                    self._conns.add(conn)
-            if busy:  # a flood of connections that do not authenticate: no work for them
+                oldest = next(iter(self._waiting)) if self._pending >= self.max_pending else None
+                if oldest is not None:
+                    del self._waiting[oldest]
+                self._pending += 1
+                self._conns.add(conn)
+                self._waiting[conn] = None
+            if oldest is not None:  # a flood that does not authenticate: the oldest goes
                 self.metrics.on_refused(RefuseReason.BUSY)
-                conn.close()
-                continue
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.handshake_timeout_s)
             worker = threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
@@ -173,10 +177,12 @@ class PeerServer:
                 self._workers.add(worker)
             worker.start()
 
-    def _admit(self, sock: socket.socket) -> None:
-        """The connection authenticated: counted apart from pending ones, bounded."""
+    def _admit(self, raw: socket.socket, sock: socket.socket) -> None:
+        """The connection (`raw`, `sock` over it) authenticated: counted apart from pending
+        ones, bounded."""
         with self._lock:
             self._pending -= 1
+            self._waiting.pop(raw, None)
             busy = self._authenticated >= self.max_connections
             if not busy:
                 self._authenticated += 1
@@ -192,7 +198,7 @@ class PeerServer:
         try:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(raw, server_side=True)
-            conn = self._handshake(sock, owner)
+            conn = self._handshake(raw, sock, owner)
             authenticated = True
             while True:
                 if conn is None:  # an inventory reader (a router)
@@ -219,6 +225,7 @@ class PeerServer:
         finally:
             with self._lock:
                 self._conns.discard(raw)
+                self._waiting.pop(raw, None)
                 self._workers.discard(threading.current_thread())
                 if authenticated:
                     self._authenticated -= 1
@@ -226,7 +233,8 @@ class PeerServer:
                     self._pending -= 1
             sock.close()
 
-    def _handshake(self, sock: socket.socket, owner: OwnerId) -> SourceConnection | None:
+    def _handshake(self, raw: socket.socket, sock: socket.socket,
+                   owner: OwnerId) -> SourceConnection | None:
         """The peer's connection in its namespace, on the transport both agree on; None for
         an inventory reader. The peer proves it knows the secret before this source says
         anything that depends on it (its own proof goes in Ready)."""
@@ -246,13 +254,13 @@ class PeerServer:
             raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
         proof = self.secret.prove(b"server", nonce, hello.nonce)
         if not auth.namespace:
-            self._admit(sock)
+            self._admit(raw, sock)
             sock.sendall(pp.encode(pp.Ready(proof)))
             return None
         store = self._namespace(auth)
         transport, reach = self._choose(store, auth.transports)
         features = frozenset(auth.features) & frozenset(transport.features)
-        self._admit(sock)
+        self._admit(raw, sock)
         sock.sendall(pp.encode(pp.Ready(proof, transport.kind, reach, sorted(features))))
         self.metrics.on_connection(transport.kind)
         return SourceConnection(sock, store, owner, transport, store.checksums,
