@@ -107,7 +107,7 @@ def test_an_embedded_runner_fetches_hinted_blocks_by_ticket_and_stops_its_fetche
         summary = fetch.wait()
         assert summary.fetched == 8 and client.lookup(keys) == 8
         assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
-        peer_clients = list(embedded.server._peer_clients.values())
+        peer_clients = list(embedded.server.tenancy.peer_clients.values())
         assert len(peer_clients) == 1
     finally:
         client.close()

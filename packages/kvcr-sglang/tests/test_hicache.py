@@ -278,6 +278,39 @@ def test_random_backend_failures_never_serve_a_corrupted_page(
         stop(ctrl)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_verified_reads_never_serve_a_page_changed_in_the_pool(verify: bool) -> None:
+    """Risk: a page scribbled over in the shared pool after its commit is read into SGLang's
+    host pool as good KV. With verify_loads the read hashes what it copied: the changed page
+    and those after it are misses (counted); without it the scribble is served (what the
+    setting is for)."""
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+
+    from kvcr_sglang.pagestore import block_key
+
+    ctrl, host = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB",
+                                    "kvcr": {"verify_loads": verify}})
+    try:
+        keys = cpu_rig.page_keys(tokens(3, 7), SHAPE.page_tokens)
+        cpu_rig.fill_pages(host, 1, 3, seed=9)
+        want = cpu_rig.page_bytes(host, 1, 3)
+        assert ctrl.page_set_func(keys, indices(1, 3)) is True
+        client = ctrl.storage_backend.store.client
+        lease = client.acquire([block_key(k) for k in keys])
+        client.pool.view(lease.slots[1])[64:72] = b"scribble"
+        client.release(lease.op)
+        cpu_rig.zero_pages(host, 8, 3)
+        got = ctrl.page_get_func(PrefetchOperation("r", []), keys, indices(8, 3))
+        stats = ctrl.storage_backend.kvcr_stats()
+        if verify:
+            assert got == 1 and stats["corrupt_pages"] == 1
+            assert cpu_rig.page_bytes(host, 8, 1) == want[:1]
+        else:
+            assert got == 3 and stats["corrupt_pages"] == 0
+    finally:
+        stop(ctrl)
+
+
 def test_v2_hybrid_pools_round_trip_and_apply_sglang_hit_policies() -> None:
     """Risk: hybrid models (KV plus a Mamba state pool, SGLang's v2 interface) restore a
     prefix whose side state is missing, or restore side state permuted."""

@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and
 
 from prometheus_client import CollectorRegistry
 
+from kvcr_core.checksums import block_checksum
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
@@ -142,6 +143,27 @@ def test_a_hit_loads_asynchronously_under_a_lease_released_when_the_load_ends() 
     finished, params = sched.request_finished(request, [])
     assert not finished and params == {"kvcr_loaded_tokens": 16, "kvcr_saved_blocks": 6}
     assert node.counters()["lookup_hit_tokens"] == 16
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_verified_loads_carry_the_committed_checksums_to_every_rank(verify: bool) -> None:
+    """Risk: verify_loads set but the load plan carries no checksums (nothing is checked),
+    or checksums that are not the ones committed for the leased slots."""
+    node = Node(2, extra={"kvcr": {"verify_loads": verify}})
+    node.stock(TOKENS[:16])
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)
+    sched.update_state_after_alloc(request, Blocks(list(range(10, 19))), 16)
+    (plan,) = sched.build_connector_meta(output()).loads
+    if not verify:
+        assert plan.checksums_by_rank == ()
+        return
+    for client, slots, sums in zip(node.clients, plan.slots_by_rank, plan.checksums_by_rank,
+                                   strict=True):
+        pool = client.store.pool
+        assert list(sums) == [block_checksum(pool.view(s)) for s in slots] and len(sums) == 4
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -101,3 +101,30 @@ def test_unexpected_layouts_disable_kvcr_instead_of_copying_garbage(guard) -> No
     assert worker.get_block_ids_with_load_errors() == {1}
     assert stats.take().data["failures"]["config"] == 1  # type: ignore[union-attr]
     worker.shutdown()
+
+
+def test_verified_loads_recompute_blocks_changed_in_the_pool_since_their_commit(guard) -> None:
+    """Risk: a block scribbled over in the shared pool after its commit is loaded into the
+    engine as good KV. With verify_loads the worker checks what it loaded against the
+    committed checksums: the changed block is a load error (recomputed), the others load."""
+    keys = sequence_keys(SPEC, list(range(3 * BLOCK)))
+    saver = make_worker(guard.socket, StatsRecorder())
+    saver.register_kv_caches(kv_caches(5))
+    saver.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("w", (0, 1, 2), (tuple(keys),))]))
+    saver.shutdown()
+    scribbler = AttachClient(guard.socket, SPEC, 2 * PAGE)
+    lease = scribbler.acquire(keys, checksums=True)
+    slots = tuple(s for s in lease.slots if s is not None)
+    assert lease.granted == 3 and len(lease.checksums) == 3
+    scribbler.pool.view(slots[1])[100:108] = b"scribble"  # after the commit
+    stats = StatsRecorder()
+    loader = make_worker(guard.socket, stats)
+    caches = kv_caches(6)
+    loader.register_kv_caches(caches)
+    loader.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
+        "r", (7, 8, 9), (slots,), checksums_by_rank=(lease.checksums,))]))
+    assert loader.get_block_ids_with_load_errors() == {8}
+    assert stats.take().data["failures"]["load_checksum"] == 1  # type: ignore[union-attr]
+    scribbler.release(lease.op)
+    scribbler.close()
+    loader.shutdown()

@@ -124,11 +124,15 @@ def _attach_s(pool_bytes: int) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def run_guard_bench(*, quick: bool, as_json: bool) -> int:
+def run_guard_bench(*, quick: bool, as_json: bool, under_attack: bool = False) -> int:
     if importlib.util.find_spec("kvcr_guard") is None:
         print("kvcr bench guard: kvcr-guard is not installed (pip install kvcr-guard)",
               file=sys.stderr)
         return 2
+    if under_attack:
+        from kvcr_bench.guard_attack import run_under_attack
+
+        return run_under_attack(quick=quick, as_json=as_json)
     total = 64 * MIB if quick else 128 * MIB
     reps = 3 if quick else 5
     bar = tqdm(total=len(BLOCK_SIZES) + 2, desc="kvcr bench guard", file=sys.stderr,

@@ -35,6 +35,15 @@ def block_checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def parts_checksum(parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    """`block_checksum` of the concatenation of `parts` (a block spread over several
+    buffers, such as one engine's KV planes), without joining them."""
+    state = xxhash.xxh3_64()
+    for part in parts:
+        state.update(part)
+    return state.intdigest()
+
+
 class SlotChecksums:
     def __init__(self, index: BlockIndex, view: Callable[[SlotId], memoryview]) -> None:
         self._index = index

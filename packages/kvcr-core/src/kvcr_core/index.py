@@ -166,6 +166,11 @@ class BlockIndex:
     def ops_of(self, owner: OwnerId) -> frozenset[OpId]:
         return frozenset(self._owner_ops.get(owner, ()))
 
+    def op_size(self, op: OpId) -> int:
+        """How many slots open op `op` holds (0 for an unknown one)."""
+        record = self._ops.get(op)
+        return 0 if record is None else len(record.slots)
+
     def owner_ops(self, owner: OwnerId) -> int:
         """How many reservations and leases `owner` has open."""
         return len(self._owner_ops.get(owner, ()))

@@ -40,7 +40,8 @@ class ThrottledLog:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def log(self, level: int, key: str, message: str, *args: object) -> None:
+    def log(self, level: int, key: str, message: str, *args: object,
+            exc_info: bool = False) -> None:
         now = self._clock()
         with self._lock:
             last = self._last.get(key)
@@ -53,4 +54,4 @@ class ThrottledLog:
             self._last[key] = now
             held = self._held.pop(key, 0)
         suffix = f" ({held} more like it held back)" if held else ""
-        self._logger.log(level, message + suffix, *args)
+        self._logger.log(level, message + suffix, *args, exc_info=exc_info)

@@ -9,7 +9,9 @@ Writes are reserve + copy + commit: a page is visible to any reader only after a
 landed; a failed copy aborts; the commit carries each page's checksum, taken right after its
 copy. Reads are acquire + copy + release under a lease, so eviction never recycles a slot
 being read; with `verify_loads` each page read is checked against its committed checksum (a
-page changed in the pool since is a miss, counted in `corrupt_pages`). Every kvcr fault
+page changed in the pool since is a miss, counted in `corrupt_pages`): `read` hashes what it
+copied into SGLang's page, `lease` (the linker, which copies layer by layer afterwards) the
+leased slots. Every kvcr fault
 (guard down, refused, protocol) becomes a miss or a failed store: SGLang then recomputes,
 never reads wrong bytes. Thread-safe: SGLang's
 prefetch, I/O and backup threads share one `AttachClient` (its own lock orders requests);
@@ -35,7 +37,7 @@ from kvcr_core.attach import (
     Skipped,
     hinted_run,
 )
-from kvcr_core.checksums import block_checksum
+from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
@@ -54,6 +56,12 @@ def copy_segments(block_address: int, segments: Segments, *, into_slot: bool) ->
         else:
             ctypes.memmove(address, offset, size)
         offset += size
+
+
+def segments_checksum(segments: Segments) -> int:
+    """The block checksum of a page as its segments now hold it (host memory)."""
+    return parts_checksum(memoryview((ctypes.c_char * size).from_address(address))
+                          for address, size in segments)
 
 
 def router_hash(page_key: str) -> int | None:
@@ -230,7 +238,7 @@ class PageStore:
                 if slot is None:
                     break
                 self._copy(base + slot * stride, segments, into_slot=False)
-                if self.verify_loads and self.checksum_at(slot * stride) != lease.checksums[i]:
+                if self.verify_loads and segments_checksum(segments) != lease.checksums[i]:
                     self.stats.corrupt_pages += 1
                     break  # changed in the pool since its commit: a miss from here on
                 filled[i] = True

@@ -26,8 +26,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvcr_core import BlockKey, Reservation, SlotId
-from kvcr_core.attach import AttachClient, Pending, RunnerUnavailable
-from kvcr_core.checksums import block_checksum
+from kvcr_core.attach import AttachClient, Handle, RunnerUnavailable
+from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
@@ -132,7 +132,7 @@ class KVCRConnectorWorker:
     def wait_for_save(self, metadata: KVCRConnectorMetadata) -> None:
         if not metadata.saves:
             return
-        pending: list[tuple[SavePlan, Pending[Reservation] | None]] = []
+        pending: list[tuple[SavePlan, Handle[Reservation] | None]] = []
         for plan in metadata.saves:  # all reservations in flight at once
             try:
                 self._ready()
@@ -189,18 +189,25 @@ class KVCRConnectorWorker:
             self.stats.load_seconds(time.perf_counter() - start)
 
     def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:
-        """Blocks whose slot no longer holds the bytes committed there (changed in the pool
-        since) are load errors: vLLM recomputes them."""
-        view = self.client.pool.view
+        """Blocks loaded with other bytes than those committed (changed in the pool since)
+        are load errors: vLLM recomputes them."""
         bad = [block for block, slot, want in zip(plan.block_ids, slots, sums, strict=True)
-               if block_checksum(view(SlotId(slot))) != want]
+               if self._loaded_checksum(block, slot) != want]
         if bad:
             self.stats.failure("load_checksum", len(bad))
             self._load_errors.update(bad)
             log.warning("kvcr: %d blocks of %s changed in the pool since their commit; "
                         "recomputing them", len(bad), plan.req_id)
 
-    def _save(self, plan: SavePlan, reservation: Pending[Reservation]) -> None:
+    def _loaded_checksum(self, block: int, slot: int) -> int:
+        """The checksum of what the KV cache now holds in `block` (host caches: so a writer
+        racing the copy cannot slip by); of the pool slot after the copy (device caches:
+        checking them would cost a copy back)."""
+        if self._planes[0][0].device.type != "cpu":
+            return block_checksum(self.client.pool.view(SlotId(slot)))
+        return parts_checksum(plane[block].numpy().data for plane, _, _ in self._planes)
+
+    def _save(self, plan: SavePlan, reservation: Handle[Reservation]) -> None:
         res = None
         try:
             res = reservation.result()

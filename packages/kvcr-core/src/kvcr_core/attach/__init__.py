@@ -10,7 +10,8 @@ This is the package's public API for kvcr-guard and the engine adapters; its sub
 internals.
 """
 
-from kvcr_core.attach.client import AttachClient, Pending, RunnerUnavailable
+from kvcr_core.attach.client import AttachClient, RunnerUnavailable
+from kvcr_core.attach.compound import Handle, Pending
 from kvcr_core.attach.config import ServerConfig
 from kvcr_core.attach.embedded import EmbeddedRunner
 from kvcr_core.attach.hinted_fetch import (
@@ -44,6 +45,7 @@ __all__ = [
     "EmbeddedRunner",
     "EngineSettings",
     "FetchSummary",
+    "Handle",
     "HintedFetch",
     "HintedFetcher",
     "HintedRun",

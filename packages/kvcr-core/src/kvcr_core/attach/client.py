@@ -25,12 +25,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Sequence
 
 import msgspec
 
 from kvcr_core.attach import protocol as p
+from kvcr_core.attach.compound import CompoundOps, Gathered, Handle, Pending, chunks
 from kvcr_core.blockcopy import load_blocks, store_blocks
 from kvcr_core.errors import KVCRError
 from kvcr_core.index import NO_OP, Lease, Reservation
@@ -80,27 +80,13 @@ class Attachment:
     pool: SlotPool
 
 
-T = TypeVar("T")
-
-
-class Pending(Generic[T]):
-    """Handle of a request in flight. `result()` waits for (and converts) its reply; it
-    raises RunnerUnavailable if the connection failed meanwhile, or after the client's
-    `timeout_s` without an answer."""
-
-    __slots__ = ("_client", "_convert", "_value", "seq")
-
-    def __init__(self, client: AttachClient, seq: int,
-                 convert: Callable[[list[p.Result]], T]) -> None:
-        self._client = client
-        self._convert = convert
-        self._value: T | None = None
-        self.seq = seq
-
-    def result(self) -> T:
-        if self._value is None:
-            self._value = self._convert(self._client._await(self.seq))
-        return self._value
+def _count(results: list[p.Result]) -> int:
+    result = results[0]
+    if isinstance(result, p.Refused):
+        raise RunnerUnavailable(result.reason, result.detail)
+    if not isinstance(result, p.Count):
+        raise RunnerUnavailable("protocol", f"expected a count, got {type(result).__name__}")
+    return result.n
 
 
 def _slots(values: list[int]) -> tuple[SlotId | None, ...]:
@@ -129,6 +115,7 @@ class AttachClient:
         self._deferred: dict[int, list[int]] = {}  # nowait seq -> committed op id (or -1)
         self.attach_count = 0
         self.deferred_shortfalls = 0
+        self._compound = CompoundOps()
 
     # -- attachment --------------------------------------------------------------------------
 
@@ -248,7 +235,7 @@ class AttachClient:
         requests may be in flight: the server answers a connection's frames in order."""
         with self._lock:
             seq = self._send(ops)
-        return Pending(self, seq, lambda results: results)
+        return Pending(self._await, seq, lambda results: results)
 
     def submit_nowait(self, ops: Sequence[p.Op]) -> None:
         """Sends `ops` and never waits for their reply (it is read and checked during a
@@ -336,35 +323,63 @@ class AttachClient:
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation:
         return self.reserve_async(keys).result()
 
-    def reserve_async(self, keys: Sequence[BlockKey]) -> Pending[Reservation]:
-        """Reserve now, collect the slots later (overlap the round trip with copying)."""
-        return Pending(self, self.submit([p.Reserve(list(keys))]).seq, _as_reservation)
+    def reserve_async(self, keys: Sequence[BlockKey]) -> Handle[Reservation]:
+        """Reserve now, collect the slots later (overlap the round trip with copying). More
+        keys than one request may reserve go in several pipelined requests, answered as one
+        reservation (kvcr_core.attach.compound)."""
+        parts = [Pending(self._await, self.submit([p.Reserve(list(c))]).seq, _as_reservation)
+                 for c in chunks(keys)]
+        if len(parts) == 1:
+            return parts[0]
+        return Gathered([part.result for part in parts], self._joined_reservation)
+
+    def _joined_reservation(self, parts: list[Reservation]) -> Reservation:
+        with self._lock:
+            return self._compound.reservation(parts)
 
     def commit(self, op: OpId, *, checksums: Sequence[int]) -> int:
         """Publishes reservation `op`; `checksums`: each granted block's `block_checksum`, in
         the reservation's order, taken right after copying it. Returns blocks published."""
-        if op == NO_OP:
-            return 0
-        result = self._one(p.Commit(op, list(checksums)))
-        assert isinstance(result, p.Count)
-        return result.n
-
-    def abort(self, op: OpId) -> int:
-        if op == NO_OP:
-            return 0
-        result = self._one(p.Abort(op))
-        assert isinstance(result, p.Count)
-        return result.n
+        results = [self.submit([c]) for c in self._commits(op, checksums)]
+        return sum(_count(r.result()) for r in results)
 
     def commit_nowait(self, op: OpId, *, checksums: Sequence[int]) -> None:
         """`commit` without waiting for the reply (see `submit_nowait`)."""
-        if op != NO_OP:
-            self.submit_nowait([p.Commit(op, list(checksums))])
+        for commit in self._commits(op, checksums):
+            self.submit_nowait([commit])
+
+    def _commits(self, op: OpId, checksums: Sequence[int]) -> list[p.Commit]:
+        if op == NO_OP:
+            return []
+        with self._lock:
+            parts = self._compound.take(op)
+        if len(parts) == 1:
+            return [p.Commit(op, list(checksums))]
+        out, start = [], 0
+        for part, granted in parts:
+            out.append(p.Commit(part, list(checksums[start:start + granted])))
+            start += granted
+        return out
+
+    def abort(self, op: OpId) -> int:
+        results = [self.submit([p.Abort(part)]) for part in self._parts(op)]
+        return sum(_count(r.result()) for r in results)
+
+    def release(self, op: OpId) -> bool:
+        results = [self.submit([p.Release(part)]) for part in self._parts(op)]
+        done = [r.result()[0] for r in results]
+        return bool(done) and all(isinstance(d, p.Done) and d.ok for d in done)
 
     def release_nowait(self, op: OpId) -> None:
         """Ends a lease without waiting for the reply (see `submit_nowait`)."""
-        if op != NO_OP:
-            self.submit_nowait([p.Release(op)])
+        for part in self._parts(op):
+            self.submit_nowait([p.Release(part)])
+
+    def _parts(self, op: OpId) -> list[OpId]:
+        if op == NO_OP:
+            return []
+        with self._lock:
+            return [part for part, _ in self._compound.take(op)]
 
     def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
                 checksums: bool = False) -> Lease:
@@ -373,17 +388,30 @@ class AttachClient:
         return self.acquire_async(keys, prefix_only=prefix_only, checksums=checksums).result()
 
     def acquire_async(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
-                      checksums: bool = False) -> Pending[Lease]:
-        """Acquire now, collect the leased slots later."""
-        return Pending(self, self.submit([p.Acquire(list(keys), prefix_only, checksums)]).seq,
-                       _as_lease)
+                      checksums: bool = False) -> Handle[Lease]:
+        """Acquire now, collect the leased slots later (in several pipelined requests when
+        there are more keys than one request may lease; see `reserve_async`)."""
+        parts = [Pending(self._await, self.submit([p.Acquire(list(c), prefix_only, checksums)]).seq,
+                         _as_lease) for c in chunks(keys)]
+        if len(parts) == 1:
+            return parts[0]
+        return Gathered([part.result for part in parts],
+                        lambda leases: self._joined_lease(leases, prefix_only))
 
-    def release(self, op: OpId) -> bool:
-        if op == NO_OP:
-            return False
-        result = self._one(p.Release(op))
-        assert isinstance(result, p.Done)
-        return result.ok
+    def _joined_lease(self, parts: list[Lease], prefix_only: bool) -> Lease:
+        """One lease for the parts; with `prefix_only`, parts after one that stopped short
+        are given back at once (a prefix ends at its first gap)."""
+        kept: list[Lease] = []
+        short = False
+        for part in parts:
+            if short:
+                self.release_nowait(part.op)
+                kept.append(Lease(NO_OP, (None,) * len(part.slots), 0))
+                continue
+            kept.append(part)
+            short = prefix_only and part.granted < len(part.slots)
+        with self._lock:
+            return self._compound.lease(kept)
 
     def peer_fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float) -> int:
         """Starts a fetch by the Runner from a peer it trusts; returns a ticket to poll."""

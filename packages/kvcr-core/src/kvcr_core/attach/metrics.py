@@ -23,7 +23,7 @@ class AttachMetrics(LightMetrics):
         super().__init__(registry)
         self.attaches = self.clients = self.pending = self.requests = self.ops = 0
         self.reclaimed_blocks = self.reclaimed_leases = self.namespaces_released = 0
-        self.accept_errors = 0
+        self.accept_errors = self.over_budget = 0
         self.closed = {r.value: 0 for r in CloseReason}
         self.request_seconds = LightHistogram(_REQUEST_BUCKETS_S)
         self.register()
@@ -32,10 +32,11 @@ class AttachMetrics(LightMetrics):
         with self.lock:
             self.attaches += 1
 
-    def on_request(self, seconds: float, ops: int) -> None:
+    def on_request(self, seconds: float, ops: int, over_budget: int = 0) -> None:
         with self.lock:
             self.requests += 1
             self.ops += ops
+            self.over_budget += over_budget
             self.request_seconds.observe(seconds)
 
     def on_reclaim(self, blocks: int, leases: int) -> None:
@@ -72,6 +73,9 @@ class AttachMetrics(LightMetrics):
             yield c("kvcr_guard_accept_errors_total",
                     "Connections the listener could not accept (e.g. out of descriptors)",
                     self.accept_errors)
+            yield c("kvcr_guard_over_budget_total",
+                    "Keys, slots or hints refused because one request asked for more than a "
+                    "request may (clients split large operations)", self.over_budget)
             yield c("kvcr_guard_namespaces_released_total",
                     "Namespaces nobody used for namespace_idle_s, their memory given back",
                     self.namespaces_released)

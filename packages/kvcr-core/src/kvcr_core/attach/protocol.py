@@ -39,6 +39,15 @@ from kvcr_core.wire import encode_frame as encode_frame
 PROTOCOL_VERSION: Final = 2
 MAX_OPS_PER_REQUEST: Final = 256
 MAX_KEYS_PER_OP: Final = 8192
+MAX_HEAVY_KEYS_PER_REQUEST: Final = 1024
+"""Keys one request may reserve or lease, and slots it may commit, abort or release, all its
+ops together (about 0.5 ms of the server's loop); beyond, the rest of such ops is refused.
+`AttachClient` splits larger operations into pipelined requests (kvcr_core.attach.compound)."""
+MAX_KEYS_PER_REQUEST: Final = 16384
+"""Keys and hashes one request may name in lookups and other cheap ops, together."""
+MAX_ATTACH_HINT_BYTES: Final = 8 << 10
+"""The largest KV hint an attached client may post (routers post larger ones on the peer
+port): parsing and remembering one costs the loop about 0.4 ms."""
 MAX_BLOCK_BYTES: Final = 1 << 30
 MAX_HELLO_FRAME_BYTES: Final = 16 << 10
 NO_SLOT: Final = -1

@@ -19,8 +19,7 @@ briefly; the loop ends only by `request_shutdown()`.
 Liveness: a client is gone at socket EOF, or when its pidfd (from the kernel's peer
 credentials, not the pid the client claims) says the process exited, even if a forked child
 still holds the socket. Either way its session is closed: FILLING blocks aborted, leases
-released, READY blocks kept. A namespace nobody has used for `namespace_idle_s` gives its
-memory back (its blocks leave the inventory as removed).
+released, READY blocks kept. Who may attach where, peers and idle namespaces: `Tenancy`.
 
 Shutdown (`request_shutdown()`, thread- and signal-safe): stop accepting, serve the frames
 already received, tell every client Goodbye("shutdown"), close, remove the socket file, return
@@ -48,11 +47,12 @@ from kvcr_core.attach.metrics import AttachMetrics
 from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientLimits, ClientSession, SessionClosed
 from kvcr_core.attach.status import status_report
+from kvcr_core.attach.tenancy import Tenancy
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import NamespaceDigest, OwnerId
+from kvcr_core.types import OwnerId
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -82,7 +82,7 @@ class _Conn:
         if len(buf) < p.FRAME_HEADER.size:
             return False
         (length,) = p.FRAME_HEADER.unpack_from(buf)
-        return length > self.frame_limit() or len(buf) >= p.FRAME_HEADER.size + length
+        return bool(length > self.frame_limit() or len(buf) >= p.FRAME_HEADER.size + length)
 
     def frame_limit(self) -> int:
         return p.MAX_FRAME_BYTES if self.session.attached else p.MAX_HELLO_FRAME_BYTES
@@ -98,8 +98,7 @@ class AttachServer:
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = AttachMetrics(self.registry)
         self.peer_metrics = PeerMetrics(self.registry)
-        self.peer_server: PeerServer | None = None
-        self._peer_clients: dict[bytes, PeerClient] = {}
+        self.tenancy = Tenancy(config, self.runner, self.metrics, self.peer_metrics)
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._runq: collections.deque[_Conn] = collections.deque()
@@ -112,7 +111,6 @@ class AttachServer:
         self._next_owner = 1
         self._started = time.monotonic()
         self._next_tick = self._started + _TICK_S
-        self._last_used: dict[NamespaceDigest, float] = {}
         self._warn = ThrottledLog(log)
         # One receive buffer for all connections: a fresh 256 KiB bytes per recv would be an
         # mmap/munmap pair (and page faults) per request.
@@ -160,14 +158,7 @@ class AttachServer:
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        peer = self.config.peer
-        if peer.listen:
-            host, _, port = peer.listen.rpartition(":")
-            assert peer.secret is not None
-            self.peer_server = PeerServer(self.runner, peer.secret, self.peer_metrics,
-                                          host=host.strip("[]"), port=int(port), tls=peer.tls,
-                                          nixl=peer.nixl)
-            log.info("kvcr serving peers on %s", self.peer_server.endpoint)
+        self.tenancy.serve_peers()
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
@@ -212,36 +203,19 @@ class AttachServer:
             peer_endpoint=self.peer_server.endpoint if self.peer_server else None)
 
     def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None:
-        """Whether `uid` may attach to `spec`'s namespace now (None) or why not."""
-        attached = [c.session for c in self._conns.values() if c.session.attached]
-        if len(attached) >= self.config.max_clients:
-            return (CloseReason.TOO_MANY_CLIENTS,
-                    f"{self.config.max_clients} clients attached already")
-        allowed = self.config.tenants.get(spec.tenant)
-        if allowed is not None and uid not in allowed:
-            return (CloseReason.NOT_ALLOWED, f"uid {uid} may not open namespaces of tenant "
-                    f"{printable(spec.tenant)!r} (kvcr-guard --tenant)")
-        digest = spec.digest()
-        mine = {s.store.digest for s in attached if s.uid == uid and s.store is not None}
-        if digest not in mine and len(mine) >= self.config.uid_max_namespaces:
-            return (CloseReason.QUOTA, f"uid {uid} holds {len(mine)} namespaces, as many as "
-                    "it may (kvcr-guard --uid-max-namespaces)")
-        return None
+        return self.tenancy.admit(
+            uid, spec, [c.session for c in self._conns.values() if c.session.attached])
 
     @property
     def fetches_from_peers(self) -> bool:
-        return bool(self.config.peer.peers)
+        return self.tenancy.fetches_from_peers
 
     def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
-        """The Runner's fetcher for a namespace, if `endpoint` is one of its peers."""
-        peer = self.config.peer
-        if endpoint not in peer.peers or peer.secret is None:
-            return None
-        client = self._peer_clients.get(store.digest)
-        if client is None:
-            client = self._peer_clients[store.digest] = PeerClient(
-                store, peer.secret, self.peer_metrics, tls=peer.tls, nixl=peer.nixl)
-        return client
+        return self.tenancy.peer_client(store, endpoint)
+
+    @property
+    def peer_server(self) -> PeerServer | None:
+        return self.tenancy.peer_server
 
     # -- events ------------------------------------------------------------------------------
 
@@ -364,7 +338,7 @@ class AttachServer:
         self._watch_pid(conn)
         store = conn.session.store
         if store is not None:
-            self._last_used[store.digest] = time.monotonic()
+            self.tenancy.used(store.digest, time.monotonic())
         self._publish_counts()
 
     def _send(self, conn: _Conn, frame: bytes, fds: list[int]) -> None:
@@ -444,7 +418,7 @@ class AttachServer:
         if not was_attached:
             self._pending -= 1
         elif session.store is not None:
-            self._last_used[session.store.digest] = time.monotonic()
+            self.tenancy.used(session.store.digest, time.monotonic())
         aborted, released = session.close()
         self.metrics.connection_closed(reason)
         self._publish_counts()
@@ -482,34 +456,8 @@ class AttachServer:
                          f"no Hello within {self.config.handshake_timeout_s} s")
         if now >= self._next_tick:
             self._next_tick = now + _TICK_S
-            self._release_idle_namespaces(now)
-
-    def _release_idle_namespaces(self, now: float) -> None:
-        """Gives back the memory of namespaces nobody attached to, read or wrote for
-        `namespace_idle_s` (READY blocks leave the inventory as removed)."""
-        idle_s = self.config.namespace_idle_s
-        if idle_s is None:
-            return
-        in_use = {c.session.store.digest for c in self._conns.values()
-                  if c.session.store is not None}
-        for digest in self.runner.namespaces:
-            store = self.runner.namespace(digest)
-            index = store.index
-            if digest in in_use or index.leased_slots or index.filling_blocks:
-                self._last_used[digest] = now
-                continue
-            if now - self._last_used.setdefault(digest, now) < idle_s:
-                continue
-            fetcher = self._peer_clients.pop(digest, None)
-            if fetcher is not None:
-                fetcher.close()
-            if self.peer_server is not None:
-                self.peer_server.forget(store)
-            self.runner.release_namespace(digest)
-            del self._last_used[digest]
-            self.metrics.on_namespace_released()
-            log.info("namespace %s unused for %.0f s: its %d bytes are given back",
-                     digest.hex(), idle_s, store.pool.region.size_bytes)
+            self.tenancy.release_idle(now, {c.session.store.digest for c in self._conns.values()
+                                            if c.session.store is not None})
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -530,10 +478,7 @@ class AttachServer:
                 conn.sock.settimeout(1.0)
                 self._read_pending(conn)
             self._refuse(conn, CloseReason.SHUTDOWN, "the kvcr runner is stopping")
-        if self.peer_server is not None:
-            self.peer_server.close()
-        for client in self._peer_clients.values():
-            client.close()
+        self.tenancy.close()
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

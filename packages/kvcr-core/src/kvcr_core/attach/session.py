@@ -6,8 +6,12 @@ ATTACHED with its own owner id; every reservation and lease it takes is tagged w
 so its departure (`close`) aborts what it was writing and releases what it was reading,
 never publishing a half-written block. Ops name ids the session owns, or do nothing. Each
 client is bounded (`ClientLimits`): slots it holds FILLING or leased, open ops, fetches in
-flight. A protocol violation raises `SessionClosed` with a bounded reason; the server closes
-the connection and nothing else is affected.
+flight. Each request is bounded too, so no client holds the server's loop for long: keys
+reserved or leased and slots committed, aborted or released, all its ops together, at most
+`MAX_HEAVY_KEYS_PER_REQUEST` (the rest refused, counted); keys named by cheap ops at most
+`MAX_KEYS_PER_REQUEST`; hints at most `MAX_ATTACH_HINT_BYTES`. A protocol violation raises
+`SessionClosed` with a bounded reason; the server closes the connection and nothing else is
+affected.
 
 Threading: used by one thread at a time (the server's loop thread).
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -31,6 +35,8 @@ from kvcr_core.peers.client import FetchHandle
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import BlockKey, OpId, OwnerId
 
+T = TypeVar("T")
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientLimits:
@@ -39,6 +45,46 @@ class ClientLimits:
     held_fraction: float = 0.5  # of its namespace's slots, FILLING or leased
     ops: int = 1024  # open reservations and leases
     tickets: int = 64  # peer fetches in flight
+
+
+class _Budget:
+    """What one request may still make the server do (see the module docstring)."""
+
+    __slots__ = ("_cheap", "_heavy", "_hint", "refused")
+
+    def __init__(self) -> None:
+        self._heavy = p.MAX_HEAVY_KEYS_PER_REQUEST
+        self._cheap = p.MAX_KEYS_PER_REQUEST
+        self._hint = p.MAX_ATTACH_HINT_BYTES
+        self.refused = 0  # keys, slots or hints refused for the budget
+
+    def heavy(self, keys: list[T]) -> list[T]:
+        """The leading keys the budget still covers for a reserve or a lease."""
+        take = keys[:self._heavy]
+        self._heavy -= len(take)
+        self.refused += len(keys) - len(take)
+        return take
+
+    def spend(self, slots: int) -> bool:
+        """Whether an op of `slots` slots fits (it is then spent)."""
+        if slots > self._heavy:
+            self.refused += slots
+            return False
+        self._heavy -= slots
+        return True
+
+    def cheap(self, keys: list[T]) -> list[T]:
+        take = keys[:self._cheap]
+        self._cheap -= len(take)
+        self.refused += len(keys) - len(take)
+        return take
+
+    def hint(self, nbytes: int) -> bool:
+        if nbytes > self._hint:
+            self.refused += 1
+            return False
+        self._hint -= nbytes
+        return True
 
 
 class SessionHost(Protocol):
@@ -145,36 +191,35 @@ class ClientSession:
                                 f"seq {request.seq} after {self._seq}: must increase")
         self._seq = request.seq
         start = time.perf_counter()
-        results = [self._run(op, self.store) for op in request.ops]
-        self._host.metrics.on_request(time.perf_counter() - start, len(request.ops))
+        budget = _Budget()
+        results = [self._run(op, self.store, budget) for op in request.ops]
+        self._host.metrics.on_request(time.perf_counter() - start, len(request.ops),
+                                      budget.refused)
         return p.Reply(request.seq, results)
 
     @staticmethod
     def _keys(keys: list[bytes]) -> list[BlockKey]:
         return keys  # type: ignore[return-value]  # length and count checked by the decoder
 
-    def _run(self, op: p.Op, store: NamespaceStore) -> p.Result:
+    def _run(self, op: p.Op, store: NamespaceStore, budget: _Budget) -> p.Result:
         if isinstance(op, p.Lookup):
-            return p.Count(store.lookup(self._keys(op.keys)))
+            return p.Count(store.lookup(self._keys(budget.cheap(op.keys))))
         if isinstance(op, p.Contains):
-            return p.Flags(store.contains(self._keys(op.keys)))
+            flags = store.contains(self._keys(budget.cheap(op.keys)))
+            return p.Flags(flags + [False] * (len(op.keys) - len(flags)))
         if isinstance(op, p.Reserve | p.Acquire):
-            return self._take(op, store)
-        if isinstance(op, p.Commit):
-            try:
-                return p.Count(store.commit(OpId(op.op), self.owner, op.checksums))
-            except ValueError as exc:
-                raise SessionClosed(CloseReason.MALFORMED, str(exc)) from None
-        if isinstance(op, p.Abort):
-            return p.Count(store.abort(OpId(op.op), self.owner))
-        if isinstance(op, p.Release):
-            return p.Done(store.release(OpId(op.op), self.owner))
+            return self._take(op, store, budget)
+        if isinstance(op, p.Commit | p.Abort | p.Release):
+            return self._end(op, store, budget)
         if isinstance(op, p.Clear):
             return p.Count(store.clear())
         if isinstance(op, p.PostHint):
+            if not budget.hint(len(op.envelope)):
+                self._host.runner.metrics.hint_outcome("too_large")
+                return p.Count(0)
             return p.Count(self._host.runner.post_hint(op.envelope))
         if isinstance(op, p.HintSources):
-            return self._hint_sources(op)
+            return self._hint_sources(op, budget)
         if isinstance(op, p.PeerFetch):
             return self._peer_fetch(op, store)
         if isinstance(op, p.PeerPoll):
@@ -184,21 +229,40 @@ class ClientSession:
                            idx.free_slots, idx.leased_slots, idx.open_reservations,
                            idx.open_leases, idx.evictions)
 
-    def _take(self, op: p.Reserve | p.Acquire, store: NamespaceStore) -> p.Slots:
-        """A reservation or a lease, within this client's limits (beyond them: refused)."""
-        keys = self._keys(op.keys)
+    def _take(self, op: p.Reserve | p.Acquire, store: NamespaceStore,
+              budget: _Budget) -> p.Slots:
+        """A reservation or a lease, within this client's limits and the request's budget
+        (beyond them: refused)."""
+        keys = self._keys(budget.heavy(op.keys))
+        refused = len(op.keys) - len(keys)
         if store.index.owner_ops(self.owner) >= self._host.limits.ops:
-            return p.Slots(0, [p.NO_SLOT] * len(keys), 0, len(keys))
+            return p.Slots(0, [p.NO_SLOT] * len(op.keys), 0, len(op.keys))
         if isinstance(op, p.Reserve):
             res = store.reserve(keys, self.owner, limit=self._held_limit)
-            return p.Slots(res.op, [p.NO_SLOT if s is None else s for s in res.slots],
-                           res.granted, res.refused)
+            return p.Slots(res.op, [p.NO_SLOT if s is None else s for s in res.slots]
+                           + [p.NO_SLOT] * refused, res.granted, res.refused + refused)
         lease = store.acquire(keys, self.owner, prefix_only=op.prefix_only,
                               limit=self._held_limit)
         sums = store.checksums.of
-        return p.Slots(lease.op, [p.NO_SLOT if s is None else s for s in lease.slots],
-                       lease.granted, 0,
+        return p.Slots(lease.op, [p.NO_SLOT if s is None else s for s in lease.slots]
+                       + [p.NO_SLOT] * refused, lease.granted, 0,
                        [sums(s) for s in lease.slots if s is not None] if op.checksums else [])
+
+    def _end(self, op: p.Commit | p.Abort | p.Release, store: NamespaceStore,
+             budget: _Budget) -> p.Result:
+        """Commit, abort or release one of this client's ops, if the request's budget holds
+        its slots (else it stays open: the client ends it in a later request)."""
+        ref = OpId(op.op)
+        if not budget.spend(store.index.op_size(ref)):
+            return p.Done(False) if isinstance(op, p.Release) else p.Count(0)
+        if isinstance(op, p.Release):
+            return p.Done(store.release(ref, self.owner))
+        if isinstance(op, p.Abort):
+            return p.Count(store.abort(ref, self.owner))
+        try:
+            return p.Count(store.commit(ref, self.owner, op.checksums))
+        except ValueError as exc:
+            raise SessionClosed(CloseReason.MALFORMED, str(exc)) from None
 
     def _peer_fetch(self, op: p.PeerFetch, store: NamespaceStore) -> p.Result:
         if not self._host.fetches_from_peers:
@@ -216,17 +280,18 @@ class ClientSession:
             op.endpoint, op.keys, op.deadline_ms / 1000)  # type: ignore[arg-type]
         return p.Ticket(self._next_ticket)
 
-    def _hint_sources(self, op: p.HintSources) -> p.Sources:
+    def _hint_sources(self, op: p.HintSources, budget: _Budget) -> p.Sources:
         endpoints: list[str] = []
         index: list[int] = []
-        for source in self._host.runner.hint_board.sources(op.hashes):
+        asked = budget.cheap(op.hashes)
+        for source in self._host.runner.hint_board.sources(asked):
             if source is None:
                 index.append(-1)
                 continue
             if source not in endpoints:
                 endpoints.append(source)
             index.append(endpoints.index(source))
-        return p.Sources(endpoints, index)
+        return p.Sources(endpoints, index + [-1] * (len(op.hashes) - len(asked)))
 
     def _peer_poll(self, op: p.PeerPoll) -> p.Result:
         handle = self._tickets.get(op.ticket)

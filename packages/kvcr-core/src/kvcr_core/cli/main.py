@@ -31,6 +31,10 @@ def _build_parser() -> argparse.ArgumentParser:
         extra = bench_sub.add_parser(name, help=BENCHMARKS.get(name, f"benchmark ({where})"))
         extra.add_argument("--quick", action="store_true", help="short run")
         extra.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "guard":
+            extra.add_argument("--under-attack", action="store_true",
+                               help="a legitimate engine's round trip while another client "
+                               "misbehaves, one way at a time")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config", required=True)
@@ -82,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "pip install 'kvcr-bench[guard]' (see its README for vllm / sglang)",
                   file=sys.stderr)
             return 2
-        result: int = found[0].load()(quick=args.quick, as_json=args.json)
+        options = {"under_attack": True} if getattr(args, "under_attack", False) else {}
+        result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)
         return result
     if args.command == "config":
         from kvcr_core.cli.config_cmd import run_config_check

@@ -14,6 +14,7 @@ meant to be advanced from several threads at once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from kvcr_core.attach import protocol as p
@@ -91,20 +92,28 @@ class FakeAttachClient:
     def reserve_async(self, keys: Sequence[BlockKey]) -> _Pending:
         return _Pending(self.reserve(keys))
 
-    def commit(self, op: OpId) -> int:
-        return 0 if op == NO_OP else self._call("commit").commit(op, self._owner)
+    def commit(self, op: OpId, *, checksums: Sequence[int] | None = None) -> int:
+        """As AttachClient.commit (`checksums` None: hashed from the pool now)."""
+        return 0 if op == NO_OP else self._call("commit").commit(op, self._owner, checksums)
 
-    def commit_nowait(self, op: OpId) -> None:
-        self.commit(op)
+    def commit_nowait(self, op: OpId, *, checksums: Sequence[int] | None = None) -> None:
+        self.commit(op, checksums=checksums)
 
     def abort(self, op: OpId) -> int:
         return 0 if op == NO_OP else self._call("abort").abort(op, self._owner)
 
-    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> Lease:
-        return self._call("acquire").acquire(keys, self._owner, prefix_only=prefix_only)
+    def acquire(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
+                checksums: bool = False) -> Lease:
+        store = self._call("acquire")
+        lease = store.acquire(keys, self._owner, prefix_only=prefix_only)
+        if not checksums:
+            return lease
+        return dataclasses.replace(lease, checksums=tuple(
+            store.checksums.of(s) for s in lease.slots if s is not None))
 
-    def acquire_async(self, keys: Sequence[BlockKey], *, prefix_only: bool = True) -> _Pending:
-        return _Pending(self.acquire(keys, prefix_only=prefix_only))
+    def acquire_async(self, keys: Sequence[BlockKey], *, prefix_only: bool = True,
+                      checksums: bool = False) -> _Pending:
+        return _Pending(self.acquire(keys, prefix_only=prefix_only, checksums=checksums))
 
     def release(self, op: OpId) -> bool:
         return False if op == NO_OP else self._call("release").release(op, self._owner)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvcr_core.checksums import block_checksum
 from kvcr_core.framing import recv_frame
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import protocol as pp
@@ -179,7 +180,7 @@ class FakePeerSource:
             fetch = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(fetch, pp.Fetch)
             blocks = [pattern_block(k, self.block_bytes) for k in fetch.keys]
-            sums = [pp.checksum(b) for b in blocks]
+            sums = [block_checksum(b) for b in blocks]
             if self.behaviour == "wrong_bytes":
                 blocks[1] = bytes(self.block_bytes)  # claims the checksum of the right bytes
             if self.nixl:

@@ -1,0 +1,172 @@
+"""A misbehaving client of kvcr-guard, for `kvcr bench guard --under-attack`:
+`python -m kvcr_bench.attacker MODE SOCKET PEER_HOST PEER_PORT` misbehaves as MODE says until
+it is killed. Each mode is one way the trust boundary is attacked (docs/guard.md):
+
+hints      attached, posts the largest KV hints the protocol takes, back to back
+keys       attached, requests of as many keys as a frame holds (lookups, reserves, leases)
+squat      attached, reserves every slot it can and never commits
+malformed  connects, sends a garbage frame, again and again
+idle       keeps as many never-speaking connections open as it can
+tenant     says Hello with another tenant's namespace, again and again
+fd         attached, keeps the pool fd and tries to shrink, grow and reseal it
+scribble   attached, writes over the pool (committed blocks included) as fast as it can
+peer       floods the peer port with connections that never authenticate
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import mmap
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+from kvcr_core.attach import protocol as p
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.testing import random_keys
+
+SPEC = NamespaceSpec(model_id="kvcr-bench", dtype="float32", kv_dtype="float32",
+                     block_size_tokens=16, num_layers=1, num_kv_heads=1, head_dim=128,
+                     layout="bench", extra={"block_bytes": "4096"})
+BLOCK = 4096
+
+
+def _attach(path: str, spec: NamespaceSpec = SPEC) -> tuple[socket.socket, int, p.Welcome]:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(path)
+    sock.sendall(p.encode_frame(p.Hello(p.PROTOCOL_VERSION,
+                                        p.NamespaceFields(**dataclasses.asdict(spec)), BLOCK,
+                                        "attacker", os.getpid())))
+    payload, fds = p.recv_frame(sock, max_fds=4)
+    welcome = p.decode_server(payload)
+    if not isinstance(welcome, p.Welcome):
+        raise SystemExit(f"not attached: {welcome}")
+    return sock, fds[0], welcome
+
+
+def _requests(path: str, make_ops: Callable[[int], list[p.Op]]) -> None:
+    sock, fd, _ = _attach(path)
+    os.close(fd)
+    seq = 0
+    while True:
+        seq += 1
+        sock.sendall(p.encode_frame(p.Request(seq, make_ops(seq))))
+        p.recv_frame(sock)
+
+
+def hint_envelope(limit_bytes: int) -> str:
+    """The largest valid KV hint (one fetch action) of at most `limit_bytes`."""
+    hashes = [random.getrandbits(63) for _ in range(limit_bytes // 20)]
+    while True:
+        envelope = json.dumps({"protocol_version": "0.1", "message_id": "m", "actions": [{
+            "action_type": "kv.fetch", "action_version": "1.0", "payload": {
+                "source_control_endpoint": "tcp://10.0.0.9:7500", "block_hashes": hashes}}]})
+        if len(envelope) <= limit_bytes:
+            return envelope
+        hashes = hashes[: len(hashes) * 19 // 20]
+
+
+def hints(path: str) -> None:
+    envelope = hint_envelope(p.MAX_FRAME_BYTES - 4096)
+    _requests(path, lambda seq: [p.PostHint(envelope)])
+
+
+def _raw_keys(n: int, seed: int) -> list[bytes]:
+    return [bytes(k) for k in random_keys(n, seed=seed)]
+
+
+def keys(path: str) -> None:
+    many = _raw_keys(p.MAX_KEYS_PER_OP, seed=7)
+    kinds: list[p.Op] = [p.Lookup(many), p.Reserve(many), p.Acquire(many, False)]
+    _requests(path, lambda seq: [kinds[seq % 3]] * 6)
+
+
+def squat(path: str) -> None:
+    _requests(path, lambda seq: [p.Reserve(_raw_keys(p.MAX_KEYS_PER_OP, seed=seq))])
+
+
+def malformed(path: str) -> None:
+    while True:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            sock.sendall(b"\x08\x00\x00\x00" + os.urandom(8))
+            while sock.recv(4096):
+                pass
+
+
+def idle(path: str) -> None:
+    held: list[socket.socket] = []
+    while True:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(path)
+            held.append(sock)
+        if len(held) > 400:
+            held.pop(0).close()
+        time.sleep(0.001)
+
+
+def tenant(path: str) -> None:
+    other = dataclasses.replace(SPEC, tenant="someone-else")
+    while True:
+        with contextlib.suppress(OSError, SystemExit):
+            sock, fd, _ = _attach(path, other)
+            os.close(fd)
+            sock.close()
+
+
+def fd(path: str) -> None:
+    _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
+    while True:
+        for attack in (lambda: os.ftruncate(pool_fd, 0),
+                       lambda: os.ftruncate(pool_fd, welcome.region_bytes * 2),
+                       lambda: fcntl.fcntl(pool_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)):
+            with contextlib.suppress(OSError):
+                attack()
+        time.sleep(0.0001)
+
+
+def scribble(path: str) -> None:
+    _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
+    with mmap.mmap(pool_fd, welcome.region_bytes) as mapped:
+        junk = b"\xaa" * BLOCK
+        while True:
+            at = random.randrange(welcome.capacity_slots) * welcome.stride_bytes
+            mapped[at:at + BLOCK] = junk
+
+
+def peer(host: str, port: int) -> None:
+    held: list[socket.socket] = []
+    while True:
+        with contextlib.suppress(OSError):
+            sock = socket.create_connection((host, port), timeout=1)
+            if random.random() < 0.5:
+                sock.sendall(b"\x00\x00\x10\x00")  # a 1 MiB frame announced, never sent
+            held.append(sock)
+        if len(held) > 200:
+            held.pop(0).close()
+
+
+MODES = {"hints": hints, "keys": keys, "squat": squat, "malformed": malformed, "idle": idle,
+         "tenant": tenant, "fd": fd, "scribble": scribble}
+
+
+def main() -> None:
+    mode, path, host, port = sys.argv[1:5]
+    if mode == "peer":
+        peer(host, int(port))
+    else:
+        MODES[mode](path)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError, ConnectionError):
+        main()
