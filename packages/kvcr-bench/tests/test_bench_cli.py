@@ -55,3 +55,20 @@ def test_bench_peer_quick_json_reports_both_transports() -> None:
     assert all(r["raw_checked_ratio"] > 0 for r in result["rows"])  # the verified reference
 
 
+
+
+@pytest.mark.slow
+def test_bench_guard_under_attack_runs_every_attack_and_checks_the_engines_blocks() -> None:
+    """`kvcr bench guard --under-attack --quick --json` runs every attacker mode against a
+    real daemon, which survives all of them; only the scribbler can touch the engine's
+    blocks, and it never unnoticed (a scribbled block fails its checksum)."""
+    from kvcr_bench.guard_attack import CASES
+
+    out = kvcr("bench", "guard", "--under-attack", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    rows = {r["case"]: r for r in result["rows"]}
+    assert list(rows) == list(CASES)
+    assert all(r["round_trips"] > 100 and r["p99_ms"] > 0 for r in rows.values())
+    assert all(r["engine_blocks_intact"] for c, r in rows.items() if c != "scribble")
+    assert result["summary"]["worst_p99_ms"] == max(r["p99_ms"] for r in rows.values())

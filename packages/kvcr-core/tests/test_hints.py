@@ -494,3 +494,35 @@ def test_valid_envelopes_are_accepted_and_round_trip(raw: dict[str, Any]) -> Non
                 for h in a["payload"]["block_hashes"]}
     assert hint.all_hashes() == expected
     assert len(hint.fetches) + len(hint.opaque) == len(raw["actions"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=3000),
+       st.integers(1, 300), st.sampled_from(["copy", "move"]))
+def test_split_hint_parts_fit_and_name_the_same_fetches(hashes: list[int], tail: int,
+                                                        mode: str) -> None:
+    """Risk: a large hint posted by an attached client in parts loses or moves hashes
+    between sources, changes the fetch mode, or makes parts still too large for a request."""
+    envelope = json.dumps({"protocol_version": "0.1", "message_id": "m-9", "actions": [
+        {"action_type": "kv.fetch", "payload": {"source_control_endpoint": "tcp://a:1",
+                                                "block_hashes": hashes, "mode": mode}},
+        {"action_type": "kv.fetch", "payload": {"source_control_endpoint": "tcp://b:2",
+                                                "block_hashes": hashes[:tail]}},
+        {"action_type": "x.other", "payload": {"k": 1}}]})
+    parts = hints.split_hint(envelope, 2048)
+    if len(envelope) <= 2048:
+        assert parts == [envelope]
+        return
+    got: set[tuple[str, int, str]] = set()
+    for part in parts:
+        assert len(part) <= 2048
+        for fetch in parse_hint(part).fetches:
+            got |= {(fetch.source_endpoint, h, fetch.mode.value) for h in fetch.block_hashes}
+    assert got == ({("tcp://a:1", h, mode) for h in hashes}
+                   | {("tcp://b:2", h, "copy") for h in hashes[:tail]})
+
+
+def test_split_hint_refuses_what_does_not_parse() -> None:
+    """Risk: an oversized garbage hint is sent anyway (and costs the runner a parse)."""
+    with pytest.raises(HintRejected):
+        hints.split_hint("[" * 5000, 1024)

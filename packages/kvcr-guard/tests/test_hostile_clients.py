@@ -341,3 +341,53 @@ def test_running_out_of_descriptors_pauses_accepting_and_nothing_dies(
     peer.close()
     node.close()
     assert g.stop() == 0
+
+
+def _hint(hashes: list[int]) -> str:
+    return msgspec.json.encode({"protocol_version": "0.1", "message_id": "m", "actions": [{
+        "action_type": "kv.fetch", "payload": {"source_control_endpoint": "tcp://10.0.0.9:7500",
+                                               "block_hashes": hashes}}]}).decode()
+
+
+def test_no_request_is_heavy_enough_to_stall_the_other_clients(short_tmp: str, harness) -> None:
+    """Risk: one client's request of thousands of keys (or a huge hint, or a huge frame)
+    holds the daemon's single loop for milliseconds, and every engine's request waits behind
+    it. Each request's work is bounded (the rest refused, counted); AttachClient splits big
+    operations into pipelined parts, so an engine's large store, load and hint still work
+    whole."""
+    g = harness.Guard(short_tmp, "--pool-bytes", "96MiB", "--namespace-pool-bytes", "32MiB").start()
+    sock, fd, _ = attach_raw(g.socket, dataclasses.replace(SPEC, layout="bounded"))
+    os.close(fd)
+    many = [bytes(k) for k in random_keys(p.MAX_KEYS_PER_OP, seed=21)]
+    sock.sendall(p.encode_frame(p.Request(1, [p.Reserve(many), p.PostHint(
+        _hint(list(range(1, 2000))))])))
+    reply = p.decode_server(p.recv_frame(sock)[0])
+    assert isinstance(reply, p.Reply)
+    slots, hint = reply.results
+    assert isinstance(slots, p.Slots) and isinstance(hint, p.Count)
+    assert slots.granted == p.MAX_HEAVY_KEYS_PER_REQUEST
+    assert slots.refused == len(many) - slots.granted and hint.n == 0
+    assert g.metric("kvcr_guard_over_budget_total") == slots.refused + 1
+    sock.sendall(b"\x00\x00\x04\x00" + bytes(64))  # announces a 256 KiB frame
+    goodbye = p.decode_server(p.recv_frame(sock)[0])
+    assert isinstance(goodbye, p.Goodbye) and goodbye.reason == p.CloseReason.OVERSIZED_FRAME
+    sock.close()
+
+    engine = AttachClient(g.socket, dataclasses.replace(SPEC, layout="engine"), 4096,
+                          identity="engine")  # pages never touched
+    keys = random_keys(3000, seed=22)
+    res = engine.reserve(keys)
+    assert res.granted == 3000 and engine.commit(res.op, checksums=[0] * 3000) == 3000
+    lease = engine.acquire(keys, checksums=True)
+    assert lease.granted == 3000 and lease.checksums == (0,) * 3000
+    assert engine.release(lease.op)
+    hashes = list(range(1, 3001))
+    assert engine.post_hint(_hint(hashes)) == 3000
+    assert engine.hint_sources(hashes) == ["tcp://10.0.0.9:7500"] * 3000
+    with pytest.raises(ValueError, match="at most"):
+        engine.batch([p.Lookup([bytes(k) for k in keys])] * 4)  # over the frame limit
+    stats = engine.stats()
+    assert (stats.ready_blocks, stats.filling_blocks, stats.leased_slots) == (3000, 0, 0)
+    engine.close()
+    assert g.proc is not None and g.proc.poll() is None, g.logs()
+    assert g.stop() == 0

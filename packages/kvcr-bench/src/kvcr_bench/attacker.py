@@ -74,7 +74,7 @@ def hint_envelope(limit_bytes: int) -> str:
 
 
 def hints(path: str) -> None:
-    envelope = hint_envelope(p.MAX_FRAME_BYTES - 4096)
+    envelope = hint_envelope(p.MAX_REQUEST_FRAME_BYTES - 4096)
     _requests(path, lambda seq: [p.PostHint(envelope)])
 
 
@@ -85,7 +85,7 @@ def _raw_keys(n: int, seed: int) -> list[bytes]:
 def keys(path: str) -> None:
     many = _raw_keys(p.MAX_KEYS_PER_OP, seed=7)
     kinds: list[p.Op] = [p.Lookup(many), p.Reserve(many), p.Acquire(many, False)]
-    _requests(path, lambda seq: [kinds[seq % 3]] * 6)
+    _requests(path, lambda seq: [kinds[seq % 3]])  # as many keys as a frame holds
 
 
 def squat(path: str) -> None:

@@ -99,10 +99,11 @@ def _engine_round_trips(path: str, seconds: float, seed: int) -> tuple[list[floa
                     sums.append(block_checksum(view(slot)))
             client.commit(res.op, checksums=sums)
         samples.append(time.perf_counter() - start)
-    lease = client.acquire(keys, checksums=True)
+    lease = client.acquire(keys, prefix_only=False, checksums=True)
     view = client.pool.view
-    intact = all(block_checksum(view(s)) == c for s, c in zip(lease.slots, lease.checksums,
-                                                             strict=True) if s is not None)
+    held = [s for s in lease.slots if s is not None]  # the rest were evicted: fresh blocks
+    intact = all(block_checksum(view(s)) == c  # came in all along
+                 for s, c in zip(held, lease.checksums, strict=True))
     client.release(lease.op)
     client.close()
     return samples, intact

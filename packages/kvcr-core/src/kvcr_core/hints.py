@@ -224,6 +224,26 @@ def parse_hint(raw: object, limits: HintLimits = DEFAULT_LIMITS) -> KVHint:
                   tuple(a for a in parsed if isinstance(a, OpaqueAction)))
 
 
+def split_hint(envelope: str, max_bytes: int) -> list[str]:
+    """`envelope` as JSON envelopes of at most `max_bytes` each (where its other fields allow)
+    that together name the same fetches: itself when it fits; else one per part of each fetch
+    action's hashes (opaque actions, which only engines pass on, are left out). Raises
+    HintRejected for an envelope that does not parse."""
+    if len(envelope) <= max_bytes:
+        return [envelope]
+    hint = parse_hint(envelope)
+    parts: list[str] = []
+    for fetch in hint.fetches:
+        def text(hashes: list[RouterHash], fetch: FetchAction = fetch) -> str:
+            action = dataclasses.replace(fetch, block_hashes=frozenset(hashes))
+            return json.dumps(KVHint(hint.protocol_version, hint.message_id,
+                                     (action,)).to_envelope(), separators=(",", ":"))
+        hashes = sorted(fetch.block_hashes)
+        step = max(1, (max_bytes - len(text([]))) // 21)  # a u64 is at most 20 digits and ","
+        parts.extend(text(hashes[i:i + step]) for i in range(0, len(hashes), step))
+    return parts
+
+
 def _parse_action(action: object, where: str, limits: HintLimits) -> FetchAction | OpaqueAction:
     if not isinstance(action, Mapping):
         raise _bad(_R.BAD_ACTIONS, where, action,

@@ -32,7 +32,8 @@ import msgspec
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.compound import CompoundOps, Gathered, Handle, Pending, chunks
 from kvcr_core.blockcopy import load_blocks, store_blocks
-from kvcr_core.errors import KVCRError
+from kvcr_core.errors import HintRejected, KVCRError
+from kvcr_core.hints import split_hint
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, SlotPool
@@ -259,9 +260,13 @@ class AttachClient:
         while len(self._owed) >= _MAX_IN_FLIGHT:  # bounded: read replies before sending more
             self._read_one()
         assert self._sock is not None
+        frame = p.encode_frame(p.Request(self._seq + 1, list(ops)))
+        if len(frame) > p.FRAME_HEADER.size + p.MAX_REQUEST_FRAME_BYTES:
+            raise ValueError(f"a {len(frame)}-byte request; the runner takes at most "
+                             f"{p.MAX_REQUEST_FRAME_BYTES} (send fewer ops per batch)")
         self._seq += 1
         try:
-            self._sock.sendall(p.encode_frame(p.Request(self._seq, list(ops))))
+            self._sock.sendall(frame)
         except OSError as exc:
             self._fail()
             raise RunnerUnavailable("disconnected", str(exc) or type(exc).__name__) from None
@@ -432,10 +437,14 @@ class AttachClient:
 
     def post_hint(self, envelope: str) -> int:
         """Posts a KV hint for requests to come (the Runner's `HintBoard`); returns the block
-        hashes it remembered (0: rejected, and counted in kvcr_hints_total)."""
-        result = self._one(p.PostHint(envelope))
-        assert isinstance(result, p.Count)
-        return result.n
+        hashes it remembered (0: rejected, and counted in kvcr_hints_total; a hint too large
+        for one request that does not parse here: 0, not counted). A large hint goes as
+        several pipelined parts (`split_hint`), so no request is heavy for the runner."""
+        try:
+            parts = split_hint(envelope, p.MAX_ATTACH_HINT_BYTES)
+        except HintRejected:
+            return 0
+        return sum(_count(h.result()) for h in [self.submit([p.PostHint(e)]) for e in parts])
 
     def hint_sources(self, hashes: Sequence[int]) -> list[str | None]:
         """The hinted source endpoint of each router hash (None: no live hint)."""

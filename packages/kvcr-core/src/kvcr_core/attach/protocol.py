@@ -43,11 +43,14 @@ MAX_HEAVY_KEYS_PER_REQUEST: Final = 1024
 """Keys one request may reserve or lease, and slots it may commit, abort or release, all its
 ops together (about 0.5 ms of the server's loop); beyond, the rest of such ops is refused.
 `AttachClient` splits larger operations into pipelined requests (kvcr_core.attach.compound)."""
-MAX_KEYS_PER_REQUEST: Final = 16384
+MAX_KEYS_PER_REQUEST: Final = MAX_KEYS_PER_OP
 """Keys and hashes one request may name in lookups and other cheap ops, together."""
+MAX_REQUEST_FRAME_BYTES: Final = 160 << 10
+"""The largest request frame of an attached client (one op of `MAX_KEYS_PER_OP` keys fits):
+decoding one costs the loop about 0.3 ms. A larger frame closes the connection."""
 MAX_ATTACH_HINT_BYTES: Final = 8 << 10
-"""The largest KV hint an attached client may post (routers post larger ones on the peer
-port): parsing and remembering one costs the loop about 0.4 ms."""
+"""The largest KV hint one request may post (`AttachClient.post_hint` splits larger ones):
+parsing and remembering one costs the loop about 0.4 ms."""
 MAX_BLOCK_BYTES: Final = 1 << 30
 MAX_HELLO_FRAME_BYTES: Final = 16 << 10
 NO_SLOT: Final = -1

@@ -85,7 +85,7 @@ class _Conn:
         return bool(length > self.frame_limit() or len(buf) >= p.FRAME_HEADER.size + length)
 
     def frame_limit(self) -> int:
-        return p.MAX_FRAME_BYTES if self.session.attached else p.MAX_HELLO_FRAME_BYTES
+        return p.MAX_REQUEST_FRAME_BYTES if self.session.attached else p.MAX_HELLO_FRAME_BYTES
 
 
 class AttachServer:
