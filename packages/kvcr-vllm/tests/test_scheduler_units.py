@@ -145,6 +145,20 @@ def test_a_hit_loads_asynchronously_under_a_lease_released_when_the_load_ends() 
     assert node.counters()["lookup_hit_tokens"] == 16
 
 
+@pytest.mark.parametrize("params", ["kv_hint", ["kv_hint"], 7, {"kv_hint": ["x"]},
+                                    {"kv_hint": "not json"}])
+def test_kv_transfer_params_of_any_shape_never_break_the_scheduler(params: Any) -> None:
+    """Risk: kv_transfer_params reach the scheduler as whatever a client put in vllm_xargs
+    (a string or a list: vLLM passes them on unchecked); `"kv_hint" in params` matched a
+    string and indexing it crashed the engine's scheduler."""
+    node = Node()
+    node.stock(TOKENS[:16])
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=params)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)  # served as unhinted
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_verified_loads_carry_the_committed_checksums_to_every_rank(verify: bool) -> None:
     """Risk: verify_loads set but the load plan carries no checksums (nothing is checked),

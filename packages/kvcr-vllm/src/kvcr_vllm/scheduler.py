@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.attach import (
@@ -140,8 +140,8 @@ class KVCRConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
-        params = request.kv_transfer_params or {}
-        if "kv_hint" in params:
+        params = request.kv_transfer_params  # anything a client put in vllm_xargs
+        if isinstance(params, Mapping) and "kv_hint" in params:
             state.hint = self.hints.accept(params["kv_hint"])
 
     def get_num_new_matched_tokens(self, request: Request,
