@@ -175,3 +175,32 @@ def test_socket_mode_and_status_command(guard, harness) -> None:
     table = subprocess.run([kvcr, "status", "--socket", guard.socket], capture_output=True,
                            text=True, timeout=30, check=True).stdout
     assert "ready" in table and SPEC.digest().hex()[:16] in table
+
+
+SERVICE_ENV = {  # what the kubelet injects into every pod for Services named kvcr, kvcr-guard
+    "KVCR_SERVICE_HOST": "10.0.0.4", "KVCR_SERVICE_PORT": "9750",  # and kvcr-router
+    "KVCR_PORT": "tcp://10.0.0.4:9750", "KVCR_PORT_9750_TCP_ADDR": "10.0.0.4",
+    "KVCR_GUARD_SERVICE_HOST": "10.0.0.5", "KVCR_GUARD_PORT": "tcp://10.0.0.5:9750",
+    "KVCR_GUARD_PORT_9750_TCP_PROTO": "tcp", "KVCR_ROUTER_SERVICE_PORT_HTTP": "8000",
+    "KVCR_ROUTER_PORT_8000_TCP": "tcp://10.0.0.6:8000"}
+
+
+def test_a_pod_with_kvcr_services_in_its_namespace_starts(short_tmp, harness,
+                                                          monkeypatch) -> None:
+    """Risk: kvcr-guard and the kvcr CLI exit at start in an ordinary Kubernetes namespace,
+    because the variables the kubelet injects for Services named kvcr* look like kvcr
+    settings (a typo of a real one is still named, as a warning)."""
+    for name, value in {**SERVICE_ENV, "KVCR_POOL_BYTEZ": "1GiB"}.items():
+        monkeypatch.setenv(name, value)
+    guard = harness.Guard(short_tmp).start()
+    client = AttachClient(guard.socket, SPEC, BLOCK, identity="pod")
+    keys = keys_for(3, 2)
+    assert client.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 2
+    client.close()
+    kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
+    status = subprocess.run([kvcr, "status", "--socket", guard.socket, "--json"],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert status.returncode == 0, status.stderr
+    assert guard.stop() == 0
+    assert "did you mean 'KVCR_POOL_BYTES'" in guard.logs()
+    guard.log.close()

@@ -391,3 +391,34 @@ def test_no_request_is_heavy_enough_to_stall_the_other_clients(short_tmp: str, h
     engine.close()
     assert g.proc is not None and g.proc.poll() is None, g.logs()
     assert g.stop() == 0
+
+
+def test_log_lines_escape_client_strings_and_refusal_bursts_are_throttled_not_lost(
+        guard) -> None:
+    """Risk: an identity with a newline forges a daemon log line, and a burst of refused
+    connections writes a warning each (438 in one burst) or, throttled, goes uncounted."""
+    forged = "engine\n2026-12-01 12:00:00 ERROR kvcr_core.attach forged line"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(guard.socket)
+    sock.sendall(p.encode_frame(hello(identity=forged)))
+    payload, fds = p.recv_frame(sock, max_fds=4)
+    assert isinstance(p.decode_server(payload), p.Welcome)
+    for fd in fds:
+        os.close(fd)
+    sock.sendall(b"\xff\xff\xff\x00")  # an oversized frame: a warning naming the client
+    p.recv_frame(sock)
+    sock.close()
+    for _ in range(40):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(guard.socket)
+            s.sendall(b"\xff\xff\xff\x00")
+            p.recv_frame(s)  # Goodbye(oversized_frame)
+    legit_round(guard.socket)
+    logs = guard.logs()
+    assert "engine\\x0a2026-12-01 12:00:00 ERROR kvcr_core.attach forged line" in logs
+    assert not any(line.startswith("2026-12-01 12:00:00") for line in logs.splitlines())
+    refusals = [line for line in logs.splitlines() if "oversized_frame" in line]
+    assert 1 <= len(refusals) <= 2
+    assert guard.metric("kvcr_guard_connections_closed_total", reason="oversized_frame") == 41
