@@ -1,5 +1,6 @@
 """The router's HTTP front against fake vLLM workers on 127.0.0.1: hints, stripping,
-streaming, health, faults, feeds and metrics (the real engines: test_router_e2e.py)."""
+streaming, health, faults, feeds and metrics (hostile clients: test_front_hostile.py; the
+real engines: test_router_e2e.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
@@ -24,6 +24,7 @@ from kvcr_router.front import Router
 from kvcr_router.hashing import PromptHasher
 from kvcr_router.hinting import hinted_hashes, strip_client_hints
 from kvcr_router.indexer import BlockIndexer, Tier
+from kvcr_router.testing import FakeInventory, FakeWorker
 
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
                      num_layers=4, num_kv_heads=2, head_dim=64, layout="vllm-0.32.0/cpu/AVX2")
@@ -33,79 +34,6 @@ HASHES = PromptHasher(DIGEST, 32).hashes(PROMPT)
 BOGUS = {"protocol_version": "0.1", "actions": [{"action_type": "kv.fetch",
          "action_version": "1.0", "payload": {"source_control_endpoint": "tcp://10.9.9.9:9",
                                               "block_hashes": [1, 2, 3]}}]}
-
-
-class FakeWorker:
-    """A vLLM-like OpenAI server that records what reached it."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.bodies: list[dict[str, Any]] = []
-        self.health_status = 200
-        self.gate: asyncio.Event | None = None  # streaming pauses after the first chunk
-        self.drop_next = 0  # close this many connections without answering
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> FakeWorker:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_post("/v1/chat/completions", self._complete)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=self.health_status)
-
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if self.drop_next:
-            self.drop_next -= 1
-            assert request.transport is not None
-            request.transport.close()  # as a server closing an idle keep-alive connection
-            return web.Response()
-        self.bodies.append(body)
-        if not body.get("stream"):
-            return web.json_response({"worker": self.name, "choices": [{"text": "ok"}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(3):
-            await resp.write(f'data: {{"worker": "{self.name}", "i": {i}}}\n\n'.encode())
-            if i == 0 and self.gate is not None:
-                await self.gate.wait()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-class FakeInventory:
-    """An `InventorySource`: hands out queued batches, or fails while `failing`."""
-
-    def __init__(self, batches: list[InventoryBatch], epoch: int = 7) -> None:
-        self.epoch: int | None = epoch
-        self.batches = batches
-        self.failing = False
-        self.polls = 0
-
-    def poll(self) -> tuple[bool, list[InventoryBatch]]:
-        self.polls += 1
-        if self.failing:
-            raise ConnectionRefusedError("runner down")
-        out, self.batches = self.batches, []
-        return False, out
-
-    def close(self) -> None:
-        pass
 
 
 def batch(seq: int, stored: list[int], namespace: bytes = DIGEST) -> InventoryBatch:
@@ -154,28 +82,29 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 
 def test_client_hints_are_stripped_from_every_place_a_worker_reads() -> None:
-    """kv_transfer_params.kv_hint, top-level kv_hint/kv_hints and vllm_xargs' copies all go;
-    everything else in the body stays."""
+    """Risk: a client steers a worker's fetches. kv_transfer_params (whole, any type), top-level
+    kv_hint/kv_hints and vllm_xargs' copies of all three go; everything else stays."""
     body = {"prompt": "x", "kv_hint": BOGUS, "kv_hints": BOGUS,
             "kv_transfer_params": {"kv_hint": BOGUS, "other": 1},
-            "vllm_xargs": {"kv_hint": BOGUS, "kv_hints": BOGUS, "keep": 2}}
+            "vllm_xargs": {"kv_hint": BOGUS, "kv_hints": BOGUS, "kv_transfer_params": "{}",
+                           "keep": 2}}
     found = strip_client_hints(body)
-    assert sorted(found) == sorted(["kv_transfer_params.kv_hint", "kv_hint", "kv_hints",
-                                    "vllm_xargs.kv_hint", "vllm_xargs.kv_hints"])
-    assert body == {"prompt": "x", "kv_transfer_params": {"other": 1},
-                    "vllm_xargs": {"keep": 2}}
+    assert sorted(found) == sorted(["kv_transfer_params", "kv_hint", "kv_hints",
+                                    "vllm_xargs.kv_transfer_params", "vllm_xargs.kv_hint",
+                                    "vllm_xargs.kv_hints"])
+    assert body == {"prompt": "x", "vllm_xargs": {"keep": 2}}
     assert strip_client_hints(body) == []
 
 
 def test_router_hints_the_worker_lacking_the_prefix_and_drops_the_clients_hint() -> None:
     """A busy holder loses to an idle worker, which gets the router's hint naming the
-    holder's peer endpoint and exactly the prompt's hashes; the client's hint never arrives;
-    decisions, hints, lead and stripping show in /metrics."""
+    holder's peer endpoint and exactly the prompt's hashes; the client's hint and transfer
+    params never arrive; decisions, hints, lead and stripping show in /metrics."""
 
     async def test() -> None:
         a, b = await FakeWorker("a").start(), await FakeWorker("b").start()
         inventory = FakeInventory([batch(1, HASHES)])
-        async with routed([a, b], {"a": inventory}) as (router, url), \
+        async with routed([a, b], {"a": inventory}, expose_cache_details=True) as (router, url), \
                 aiohttp.ClientSession() as http:
             await until(lambda: router.indexer.prefix("a", Tier.POOL, HASHES) == 40)
             body = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "kv_hint": BOGUS,
@@ -187,14 +116,14 @@ def test_router_hints_the_worker_lacking_the_prefix_and_drops_the_clients_hint()
                 assert resp.headers["x-kvcr-hint-blocks"] == "40"
             router.pool.end("a", 100)
             (seen,) = b.bodies
-            assert "kv_hint" not in seen and seen["kv_transfer_params"]["keep"] is True
+            assert "kv_hint" not in seen and list(seen["kv_transfer_params"]) == ["kv_hint"]
             hint = parse_hint(seen["kv_transfer_params"]["kv_hint"])
             (fetch,) = hint.fetches
             assert fetch.source_endpoint == "tcp://127.0.0.1:7100"
             assert fetch.block_hashes == frozenset(HASHES)
             async with http.post(url + "/v1/completions", json=body) as resp:
                 assert resp.headers["x-kvcr-worker"] == "a"  # idle holder: no hint needed
-            assert "kv_hint" not in a.bodies[0]["kv_transfer_params"]
+            assert "kv_transfer_params" not in a.bodies[0]
             text = await (await http.get(url + "/metrics")).text()
         await a.stop()
         await b.stop()
@@ -203,6 +132,8 @@ def test_router_hints_the_worker_lacking_the_prefix_and_drops_the_clients_hint()
         assert metric(text, "kvcr_router_hint_lead_blocks_sum") == 40
         assert metric(text, 'kvcr_router_decisions_total{worker="b"}') == 1
         assert metric(text, 'kvcr_router_client_hints_stripped_total{field="kv_hint"}') == 2
+        assert metric(text, 'kvcr_router_client_hints_stripped_total'
+                            '{field="kv_transfer_params"}') == 2
         assert metric(text, "kvcr_router_decision_seconds_count") == 2
         assert metric(text, 'kvcr_router_requests_total{outcome="ok",route="completions"}') == 2
         assert metric(text, 'kvcr_router_feed_blocks_total{event="stored",feed="inventory",'
@@ -307,7 +238,8 @@ def test_weights_reach_the_cost_model() -> None:
     async def test() -> None:
         a, b = await FakeWorker("a").start(), await FakeWorker("b").start()
         async with routed([a, b], {"a": FakeInventory([batch(1, HASHES)])},
-                          weights=CostWeights(min_fetch_blocks=41)) as (router, url), \
+                          weights=CostWeights(min_fetch_blocks=41),
+                          expose_cache_details=True) as (router, url), \
                 aiohttp.ClientSession() as http:
             await until(lambda: router.indexer.prefix("a", Tier.POOL, HASHES) == 40)
             router.pool.begin("a", 100)
@@ -363,7 +295,7 @@ def test_a_dropped_connection_is_retried_once_without_marking_the_worker_down() 
         await c.stop()
         (hint,) = [parse_hint(x["kv_transfer_params"]["kv_hint"]) for x in a.bodies]
         assert hint.fetches[0].source_endpoint == "tcp://127.0.0.1:7101"
-        assert c.bodies == [body]  # no hint: c holds the prefix itself
+        assert c.bodies == [{"prompt": PROMPT}]  # no hint: c holds the prefix itself
 
     run(test)
 

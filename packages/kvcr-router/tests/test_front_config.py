@@ -88,23 +88,66 @@ def test_weights_preset_tuned_is_the_simulator_recommendation_and_flags_adjust_i
     ({"workers": ["a=http://h:1"], "namespace": NS, "colour": 1}, "colour"),
     ({"workers": ["a=http://h:1"], "namespace": NS, "weights_preset": "best"},
      "weights_preset"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "tokenize_threads": 0}, "tokenize_threads"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "tokenize_threads": 65},
+     "tokenize_threads"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "tokenize_timeout_s": 0},
+     "tokenize_timeout_s"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "max_pending_tokenize": 0},
+     "max_pending_tokenize"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "max_prompt_chars": -1},
+     "max_prompt_chars"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "trust_request_chat_template": "no"},
+     "trust_request_chat_template"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "expose_cache_details": 1},
+     "expose_cache_details"),
+    ({"workers": ["a=http://h:1"], "namespace": NS, "operator_token_env": ""},
+     "operator_token_env"),
 ])
 def test_bad_settings_name_the_field(data: dict, field: str) -> None:
-    """Missing namespace, contradicting block size, duplicate names, bad weights or
-    timeouts and unknown keys all fail at start-up, naming the field."""
+    """Missing namespace, contradicting block size, duplicate names, bad weights, timeouts
+    or tokenizing bounds, non-boolean switches and unknown keys all fail at start-up,
+    naming the field."""
     with pytest.raises(ConfigError) as err:
         RouterConfig.from_mapping(data)
     assert err.value.field == field
 
 
+def test_trust_flags_default_closed_and_reach_the_config(tmp_path: Path) -> None:
+    """Risk: a hardening default is open, or a trust flag or file setting is lost. By default
+    request templates are not rendered and cache details are not exposed; the flags switch
+    them on, a config file may too, and the pending bound follows the thread count."""
+    base = ["serve", "--namespace", json.dumps(NS), "--worker", "a=http://h:1"]
+    plain = config_from_args(build_parser().parse_args(base))
+    assert not plain.trust_request_chat_template and not plain.expose_cache_details
+    assert (plain.tokenize_threads, plain.tokenize_pending_bound, plain.tokenize_timeout_s,
+            plain.operator_token_file) == (2, 8, 1.0, None)
+    cfg = config_from_args(build_parser().parse_args([
+        *base, "--trust-request-chat-template", "--expose-cache-details", "--tokenize-threads",
+        "3", "--tokenize-timeout-s", "0.25", "--max-prompt-chars", "1000",
+        "--operator-token-file", "/run/token", "--operator-token-env", "OPS_TOKEN"]))
+    assert cfg.trust_request_chat_template and cfg.expose_cache_details
+    assert (cfg.tokenize_threads, cfg.tokenize_pending_bound, cfg.tokenize_timeout_s,
+            cfg.max_prompt_chars) == (3, 12, 0.25, 1000)
+    assert (cfg.operator_token_file, cfg.operator_token_env) == ("/run/token", "OPS_TOKEN")
+    config = tmp_path / "router.yaml"
+    config.write_text(json.dumps({"trust-request-chat-template": True,
+                                  "max_pending_tokenize": 5}))
+    filed = config_from_args(build_parser().parse_args([*base, "--config", str(config)]))
+    assert filed.trust_request_chat_template and filed.tokenize_pending_bound == 5
+
+
 def test_cli_reports_config_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     """A bad flag exits 2 with the field and the fix; a peer endpoint without the peer
-    secret too; --version prints the package version."""
+    secret too, and an unreadable operator token file; --version prints the version."""
     assert main(["serve", "--worker", "a=ftp://h:1", "--namespace", json.dumps(NS)]) == 2
     assert "worker a.url" in capsys.readouterr().err
     assert main(["serve", "--worker", "a=http://h:1,peer=tcp://h:2", "--namespace",
                  json.dumps(NS), "--peer-secret-env", "KVCR_TEST_NO_SUCH_SECRET"]) == 2
     assert "KVCR_TEST_NO_SUCH_SECRET" in capsys.readouterr().err
+    assert main(["serve", "--worker", "a=http://h:1", "--namespace", json.dumps(NS),
+                 "--operator-token-file", "/nonexistent/kvcr-operator-token"]) == 2
+    assert "operator_token_file" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0

@@ -110,7 +110,8 @@ def fleet(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                           "--listen", f"127.0.0.1:{router_port}",
                           *[arg for w in workers for arg in ("--worker", w)],
                           "--namespace", json.dumps(namespace), "--tokenizer", model,
-                          "--health-interval-s", "0.5", "--inventory-interval-s", "0.1"],
+                          "--health-interval-s", "0.5", "--inventory-interval-s", "0.1",
+                          "--expose-cache-details"],  # the tests read explain and headers
                          workdir / "router.log", {"KVCR_PEER_SECRET": SECRET})
         wait_ready(router, router_url, 60)
         yield {"router": router_url, "engines": engines, "peer": peer, "model": model,
@@ -159,7 +160,10 @@ def test_shared_prefix_goes_to_the_idle_worker_which_fetches_it_from_its_peer(fl
                 "ignore_eos": True, "temperature": 0, "stream": True}
         with http.stream("POST", f"{url}/v1/completions", json=busy) as held:
             assert held.headers["x-kvcr-worker"] == "a"
-            next(held.iter_lines())  # a is decoding it now: 48 blocks in flight
+            # Keep the iterator: a dropped one closes the stream at once (httpx), and the
+            # router could notice that before it decides the follow-up (a no longer busy).
+            lines = held.iter_lines()
+            next(lines)  # a is decoding it now: 49 blocks in flight
             bogus = {"protocol_version": "0.1", "actions": [{
                 "action_type": "kv.fetch", "action_version": "1.0",
                 "payload": {"source_control_endpoint": "tcp://127.0.0.1:9",
@@ -193,7 +197,8 @@ def test_shared_prefix_goes_to_the_idle_worker_which_fetches_it_from_its_peer(fl
 
 def test_client_hint_never_reaches_a_worker_even_without_a_router_hint(fleet) -> None:
     """A malformed client hint in every field a worker reads would be counted by the worker
-    (kvcr_hints_total{outcome=bad_hashes}) if it arrived; it does not."""
+    (kvcr_hints_total{outcome=bad_hashes}) if it arrived; it does not. Transfer params
+    smuggled through vllm_xargs (a mapping there would make vLLM answer 400) are gone too."""
     url, engines = fleet["router"], fleet["engines"].values()
     bad = {"protocol_version": "0.1", "actions": [{
         "action_type": "kv.fetch", "action_version": "1.0",
@@ -201,7 +206,8 @@ def test_client_hint_never_reaches_a_worker_even_without_a_router_hint(fleet) ->
     before = [e.metric("vllm:kvcr_hints_total") for e in engines]
     body = {"model": "model", "prompt": "a fresh prompt, in no cache", "max_tokens": 4,
             "temperature": 0, "kv_hint": bad, "kv_hints": bad,
-            "kv_transfer_params": {"kv_hint": bad}}
+            "kv_transfer_params": {"kv_hint": bad},
+            "vllm_xargs": {"kv_transfer_params": {"kv_hint": bad}, "kv_hint": "x"}}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-kvcr-hint-blocks"] == "0"

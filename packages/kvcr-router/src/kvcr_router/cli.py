@@ -2,7 +2,9 @@
 replay, in `kvcr_router.simulate`, imported only when chosen), plus `--version`.
 
 Every `serve` flag has a documented default (docs/router.md) and may also come from
-`--config FILE` (YAML/JSON, same names); flags given on the command line win.
+`--config FILE` (YAML/JSON, same names); flags given on the command line win. The on/off
+flags (`--trust-request-chat-template`, `--expose-cache-details`) only switch on; a file
+may set them either way.
 Exit codes: 0 ok, 2 usage or configuration error. `serve` runs the front's event loop on
 the main thread until SIGINT/SIGTERM.
 """
@@ -62,6 +64,7 @@ def _serve_parser(sub: Any) -> None:
     add("--max-body-bytes", type=int, help=f"largest request body (default {rc['max_body_bytes']})")
     add("--max-blocks-per-source", type=int,
         help=f"index bound per worker and tier (default {rc['max_blocks_per_source']})")
+    _trust_flags(serve.add_argument_group("trust (docs/router.md \"Trust\")"), rc)
     weights = serve.add_argument_group("cost weights (docs/router.md)")
     weights.add_argument("--weights-preset", choices=sorted(WEIGHT_PRESETS),
                          help="base weights the flags below adjust: reference (default, the "
@@ -70,6 +73,33 @@ def _serve_parser(sub: Any) -> None:
         weights.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
                              help=f"{_WEIGHT_HELP[field.name]} (default {field.default})")
     add("--log-level", default="INFO", help="default INFO")
+
+
+def _trust_flags(group: Any, rc: dict[str, Any]) -> None:
+    add = group.add_argument
+    add("--trust-request-chat-template", action="store_true", default=None,
+        help="render chat_template / chat_template_kwargs sent by clients (Jinja code: "
+             "only for trusted clients); default: such requests are routed on load alone")
+    add("--tokenize-threads", type=int,
+        help=f"threads that tokenize prompts (default {rc['tokenize_threads']})")
+    add("--tokenize-timeout-s", type=float,
+        help="longest wait for a prompt's hashes; then the request is routed on load alone "
+             f"(default {rc['tokenize_timeout_s']})")
+    add("--max-pending-tokenize", type=int,
+        help="tokenizations queued or running; past it requests are routed on load alone "
+             "at once (default 4 x --tokenize-threads)")
+    add("--max-prompt-chars", type=int,
+        help="longest prompt text (or rendered chat) that is tokenized "
+             f"(default {rc['max_prompt_chars']})")
+    add("--expose-cache-details", action="store_true", default=None,
+        help="give every client /kvcr/explain and the x-kvcr-* response headers (they tell "
+             "which blocks of a prompt are cached); default: operator token holders only")
+    add("--operator-token-file",
+        help="file with a token: requests whose X-KVCR-Operator-Token header carries it see "
+             "cache details")
+    add("--operator-token-env",
+        help=f"or the environment variable holding it, if set (default "
+             f"{rc['operator_token_env']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +139,10 @@ def serve(config: RouterConfig) -> int:
              __version__, config.listen_host, config.listen_port,
              ", ".join(w.name for w in config.workers), config.namespace_digest.hex(),
              config.block_size)
+    log.info("request chat templates %s; cache details %s (docs/router.md \"Trust\")",
+             "rendered" if config.trust_request_chat_template else "not rendered",
+             "exposed to all" if config.expose_cache_details else
+             "for operator token holders" if not router.access.closed else "hidden")
     web.run_app(router.app(), host=config.listen_host, port=config.listen_port, print=None,
                 access_log=None, shutdown_timeout=5)
     return 0

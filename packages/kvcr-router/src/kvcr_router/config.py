@@ -1,4 +1,5 @@
-"""The router's frozen configuration: workers, namespace, timeouts, weights, validated once.
+"""The router's frozen configuration: workers, namespace, timeouts, weights, the tokenizing
+bounds and who may see cache details (docs/router.md "Trust"), validated once.
 
 `WorkerSpec.parse("a=http://10.0.0.1:8000,peer=tcp://10.0.0.1:7500")` reads one `--worker`
 flag; `RouterConfig.from_mapping` reads the same fields from a YAML/JSON file or from the
@@ -23,9 +24,11 @@ from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.hints import Endpoint
 from kvcr_core.keys import NamespaceSpec
 from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
+from kvcr_router.hashing import MAX_PROMPT_CHARS
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
 MAX_WORKERS = 256
+MAX_TOKENIZE_THREADS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,17 @@ class RouterConfig:
     read_timeout_s: float = 300.0  # the longest silence from a worker mid-response
     max_body_bytes: int = 32 * 1024 * 1024
     max_blocks_per_source: int = 1_000_000
+    # Trust: what a client may make the router compute, and who sees what the cache holds.
+    trust_request_chat_template: bool = False  # render clients' chat_template(_kwargs)
+    tokenize_threads: int = 2
+    tokenize_timeout_s: float = 1.0  # a request waits no longer for its prompt's hashes
+    max_pending_tokenize: int | None = None  # queued or running; None: 4 * tokenize_threads
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # longer prompt text (or render) is not encoded
+    expose_cache_details: bool = False  # /kvcr/explain and x-kvcr-* headers for everyone
+    # Or only for requests whose X-KVCR-Operator-Token header holds the operator token: read
+    # from the file, else from the variable if it is set (access.py).
+    operator_token_file: str | None = None
+    operator_token_env: str = "KVCR_ROUTER_OPERATOR_TOKEN"
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -122,14 +136,42 @@ class RouterConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("max_body_bytes", self.max_body_bytes)
         _positive_int("max_blocks_per_source", self.max_blocks_per_source)
+        self._check_trust()
         if not isinstance(self.listen_port, int) or not 0 <= self.listen_port <= 65535:
             raise ConfigError("listen", self.listen_port, "give a port 0-65535")
         for field in ("health_interval_s", "health_timeout_s", "inventory_interval_s",
-                      "inventory_timeout_s", "connect_timeout_s", "read_timeout_s"):
+                      "inventory_timeout_s", "connect_timeout_s", "read_timeout_s",
+                      "tokenize_timeout_s"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or not (
                     math.isfinite(value) and value > 0):
                 raise ConfigError(field, value, "give a finite number of seconds > 0")
+
+    @property
+    def tokenize_pending_bound(self) -> int:
+        """`max_pending_tokenize`, or 4 per tokenize thread when not set."""
+        if self.max_pending_tokenize is None:
+            return 4 * self.tokenize_threads
+        return self.max_pending_tokenize
+
+    def _check_trust(self) -> None:
+        for field in ("trust_request_chat_template", "expose_cache_details"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(field, getattr(self, field), "give true or false")
+        _positive_int("tokenize_threads", self.tokenize_threads)
+        if self.tokenize_threads > MAX_TOKENIZE_THREADS:
+            raise ConfigError("tokenize_threads", self.tokenize_threads,
+                              f"give at most {MAX_TOKENIZE_THREADS} threads")
+        if self.max_pending_tokenize is not None:
+            _positive_int("max_pending_tokenize", self.max_pending_tokenize)
+        _positive_int("max_prompt_chars", self.max_prompt_chars)
+        if self.operator_token_file is not None and not (
+                isinstance(self.operator_token_file, str) and self.operator_token_file):
+            raise ConfigError("operator_token_file", self.operator_token_file,
+                              "give the path of a file holding the operator token")
+        if not isinstance(self.operator_token_env, str) or not self.operator_token_env:
+            raise ConfigError("operator_token_env", self.operator_token_env,
+                              "give the name of an environment variable")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RouterConfig:

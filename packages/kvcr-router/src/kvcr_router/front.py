@@ -1,19 +1,23 @@
 """The router's HTTP front: OpenAI-compatible `/v1/completions` and `/v1/chat/completions`
 (streaming too) proxied to the chosen worker, plus `/v1/models`, `/health` and `/metrics`.
 
-Per request: strip client-supplied KV hints (hinting.py), tokenize and hash the prompt on an
-executor thread (hashing.py), choose a worker among the healthy ones with the cost model
-(cost.py) over the block index that the feeds keep current (feeds.py), attach the router's
-hint when the chosen source's lead passes the crossover, and relay the worker's response
-byte for byte (SSE chunks as they come). Responses carry `x-kvcr-worker` and
-`x-kvcr-hint-blocks` headers. `POST /kvcr/explain/{completions|chat}` answers the decision
-for a body without forwarding it (why a request would go where it goes).
+Per request: strip client-supplied KV hints and transfer params (hinting.py), hash the
+prompt in the bounded tokenizing pool (tokenizing.py: a deadline, a bound on pending work,
+clients' own chat templates only if trusted; otherwise the request is routed on load alone,
+counted by reason), choose a worker among the healthy ones with the cost model (cost.py)
+over the block index that the feeds keep current (feeds.py), attach the router's hint when
+the chosen source's lead passes the crossover, and relay the worker's response byte for
+byte (SSE chunks as they come). Cache details, i.e. the `x-kvcr-worker` and
+`x-kvcr-hint-blocks` response headers, the `kv_transfer_params` of a worker's whole JSON
+answer (the connector's loaded tokens) and `POST /kvcr/explain/{completions|chat}` (the
+decision for a body, without forwarding it), are given only to requests the gate allows
+(access.py); to the others explain answers 404, as if absent.
 
 Faults degrade, never hang: a worker that refuses the connection is marked down and the
 request is re-decided among the others (before any byte went to the client); connects are
 bounded by `connect_timeout_s` and silences by `read_timeout_s`; no healthy worker is a 503.
 Threading: one asyncio event loop owns the index, the pool and the metrics; tokenizing and
-inventory reads run on executor threads and hand results back to the loop.
+inventory reads run on their own threads and hand results back to the loop.
 """
 
 from __future__ import annotations
@@ -35,16 +39,25 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvcr_core.peers import InventoryReader, PeerSecret
+from kvcr_router.access import CacheDetailsGate
 from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.cost import Decision, choose
 from kvcr_router.feeds import InventoryFeed, InventorySource, KvEventsFeed, VllmEventTranslator
 from kvcr_router.hashing import PromptHasher, PromptKind
-from kvcr_router.hinting import attach_hint, build_envelope, hinted_hashes, strip_client_hints
+from kvcr_router.hinting import (
+    attach_hint,
+    build_envelope,
+    hinted_hashes,
+    strip_client_hints,
+    strip_response_params,
+)
 from kvcr_router.indexer import BlockIndexer
 from kvcr_router.metrics import RouterMetrics
+from kvcr_router.tokenizing import TokenizePool
 from kvcr_router.workers import WorkerPool
 
 log = logging.getLogger("kvcr_router")
+# An allow-list: nothing else reaches a worker (not the operator token, not cookies).
 FORWARDED_HEADERS = ("authorization", "accept", "x-request-id", "traceparent")
 MAX_OUTPUT_TOKENS = 1 << 20
 
@@ -62,10 +75,12 @@ class _Unreachable(Exception):
 class Router:
     def __init__(self, config: RouterConfig, hasher: PromptHasher, registry: CollectorRegistry,
                  *, secret: PeerSecret | None = None,
-                 new_reader: Callable[[WorkerSpec], InventorySource] | None = None) -> None:
+                 new_reader: Callable[[WorkerSpec], InventorySource] | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.hasher = hasher
         self.registry = registry
+        self.access = CacheDetailsGate.from_config(config, environ)
         self.metrics = RouterMetrics(registry, [w.name for w in config.workers])
         self.indexer = BlockIndexer(config.max_blocks_per_source)
         self.pool = WorkerPool(config.workers, self.metrics, config.health_timeout_s)
@@ -76,8 +91,11 @@ class Router:
         if peers and new_reader is None:
             raise ValueError("workers with a peer endpoint need the peer secret")
         self._feed_executor = ThreadPoolExecutor(max(1, len(peers)), "kvcr-router-feed")
-        # One thread: HF fast tokenizers must not encode concurrently ("Already borrowed").
-        self._hash_executor = ThreadPoolExecutor(1, "kvcr-router-hash")
+        self.tokenize = TokenizePool(
+            hasher, threads=config.tokenize_threads, timeout_s=config.tokenize_timeout_s,
+            max_pending=config.tokenize_pending_bound,
+            max_prompt_chars=config.max_prompt_chars,
+            trust_request_chat_template=config.trust_request_chat_template)
         self.inventory = {w.name: InventoryFeed(
             w.name, config.namespace_digest, _bind(new_reader, w), self.indexer, self.metrics,
             self._feed_executor, config.inventory_interval_s) for w in peers if new_reader}
@@ -109,7 +127,8 @@ class Router:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/kvcr/explain/{route:completions|chat}", self._explain)
+        # Any method: without access, every method answers 404 as for an unknown path.
+        app.router.add_route("*", "/kvcr/explain/{route:completions|chat}", self._explain)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.cleanup_ctx.append(self._lifetime)
@@ -131,7 +150,7 @@ class Router:
                 await task
         await self._session.close()
         self._feed_executor.shutdown(wait=False, cancel_futures=True)
-        self._hash_executor.shutdown(wait=False, cancel_futures=True)
+        self.tokenize.close()
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -166,22 +185,25 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _explain(self, request: web.Request) -> web.Response:
+        if not self.access.allows(request.headers):
+            raise web.HTTPNotFound()  # the same answer as a path that does not exist
+        if request.method != "POST":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
         route: PromptKind = "chat" if request.match_info["route"] == "chat" else "completions"
         body = await _json_object(request)
         if body is None:
             return _error(400, "the body must be a JSON object")
         strip_client_hints(body)
-        hashes, tokens = await asyncio.get_running_loop().run_in_executor(
-            self._hash_executor, self._hash, route, body)
+        hashed = await self.tokenize.hash(route, body)
         names = self.pool.routable()
         if not names:
             return _error(503, "no healthy worker")
-        decision = choose(self.indexer, hashes, names, self.pool.loads(), self.config.weights,
-                          self.rng)
+        decision = choose(self.indexer, hashed.hashes, names, self.pool.loads(),
+                          self.config.weights, self.rng)
         return web.json_response({
             "worker": decision.worker, "hint_source": decision.hint_source,
-            "hint_range": list(decision.hint_range), "prompt_tokens": tokens,
-            "prompt_blocks": len(hashes),
+            "hint_range": list(decision.hint_range), "prompt_tokens": hashed.tokens,
+            "prompt_blocks": len(hashed.hashes), "unhashed": hashed.unhashed,
             "candidates": [dataclasses.asdict(c) for c in decision.candidates]})
 
     # -- proxy -------------------------------------------------------------------------------
@@ -195,9 +217,12 @@ class Router:
         for field in strip_client_hints(body):
             self.metrics.stripped.labels(field).inc()
         started = time.perf_counter()
-        hashes, tokens = await asyncio.get_running_loop().run_in_executor(
-            self._hash_executor, self._hash, route, body)
-        blocks = -(-(tokens + _max_tokens(body)) // self.config.block_size)
+        hashed = await self.tokenize.hash(route, body)
+        if hashed.unhashed is not None:
+            self.metrics.unhashed.labels(hashed.unhashed).inc()
+        hashes = hashed.hashes
+        blocks = -(-(hashed.tokens + _max_tokens(body)) // self.config.block_size)
+        details = self.access.allows(request.headers)
         request_id = f"kvcr-{uuid.uuid4().hex[:20]}"
         tried: set[str] = set()
         dropped: set[str] = set()
@@ -213,23 +238,15 @@ class Router:
             out = dict(body)
             hint_blocks = self._hint(decision, hashes, request_id, out)
             self.metrics.decisions.labels(decision.worker).inc()
+            shown = {"x-kvcr-worker": decision.worker,
+                     "x-kvcr-hint-blocks": str(hint_blocks)} if details else {}
             try:
                 return await self._forward(request, route, path, decision.worker, out,
-                                           blocks, hint_blocks)
+                                           blocks, shown)
             except _Unreachable as exc:
                 if exc.down or decision.worker in dropped:
                     tried.add(decision.worker)
                 dropped.add(decision.worker)
-
-    def _hash(self, route: PromptKind, body: Mapping[str, Any]) -> tuple[list[int], int]:
-        try:
-            tokens = self.hasher.tokens(route, body)
-        except Exception:  # a tokenizer fault must not fail the request: route on load
-            log.exception("tokenizing a %s prompt failed", route)
-            tokens = None
-        if tokens is None:
-            return [], 0
-        return self.hasher.hashes(tokens), len(tokens)
 
     def _hint(self, decision: Decision, hashes: list[int], request_id: str,
               body: dict[str, Any]) -> int:
@@ -252,7 +269,8 @@ class Router:
         return 0
 
     async def _forward(self, request: web.Request, route: PromptKind, path: str, name: str,
-                       body: dict[str, Any], blocks: int, hint_blocks: int) -> web.StreamResponse:
+                       body: dict[str, Any], blocks: int,
+                       shown: dict[str, str]) -> web.StreamResponse:
         assert self._session is not None
         spec = self.pool.workers[name].spec
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
@@ -276,19 +294,27 @@ class Router:
                 self.metrics.requests.labels(route, "upstream_error").inc()
                 return _error(504, f"worker {name} did not answer: {type(exc).__name__}")
             async with upstream:
-                return await self._relay(request, route, name, upstream, hint_blocks)
+                return await self._relay(request, route, name, upstream, shown)
         finally:
             self.pool.end(name, blocks)
 
     async def _relay(self, request: web.Request, route: PromptKind, name: str,
-                     upstream: aiohttp.ClientResponse, hint_blocks: int) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
-            "x-kvcr-worker": name, "x-kvcr-hint-blocks": str(hint_blocks)})
+                     upstream: aiohttp.ClientResponse,
+                     shown: dict[str, str]) -> web.StreamResponse:
+        """Relays the worker's answer; `shown`: the cache-detail headers this client may see
+        (none: a whole JSON answer loses its `kv_transfer_params`, what the worker loaded)."""
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        resp = web.StreamResponse(status=upstream.status,
+                                  headers={"Content-Type": content_type, **shown})
         try:
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
+            if not shown and content_type.startswith("application/json"):
+                answer = strip_response_params(await upstream.read())
+                await resp.prepare(request)
+                await resp.write(answer)
+            else:
+                await resp.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
                 aiohttp.SocketTimeoutError, asyncio.TimeoutError) as exc:
             self.metrics.upstream_failures.labels(name, "broken").inc()

@@ -1,15 +1,21 @@
 """KV hints on the way through the router: strip what clients sent, attach the router's own.
 
 A client must not steer a worker's fetches (a hint names an endpoint to dial and blocks to
-trust), so `strip_client_hints` removes every place a hint can hide in an OpenAI request body
-(`kv_transfer_params.kv_hint`, top-level `kv_hint` / `kv_hints`, and the same two inside
-`vllm_xargs`) and says which it found. `attach_hint` writes the router's envelope
-(docs/hints.md: protocol 0.1, one `kv.fetch@1.0` action) into
-`kv_transfer_params["kv_hint"]`, where kvcr-vllm reads it. Pure functions on the parsed body.
+trust), and no client of the router has a use for `kv_transfer_params` at all, so
+`strip_client_hints` removes every place one can hide in an OpenAI request body, whatever
+its type: top-level `kv_transfer_params`, `kv_hint` and `kv_hints`, and the same three
+inside `vllm_xargs` (vLLM merges `vllm_xargs` into the sampling params' `extra_args`, where
+the engine reads `kv_transfer_params` too); it says which it found. `attach_hint` writes
+the router's envelope (docs/hints.md: protocol 0.1, one `kv.fetch@1.0` action) into a fresh
+`kv_transfer_params["kv_hint"]`, where kvcr-vllm reads it. On the way back,
+`strip_response_params` drops the `kv_transfer_params` a worker returns in a whole JSON
+answer (kvcr-vllm reports there the tokens it loaded for the request: a cache detail).
+Pure functions on the parsed body or the answer's bytes.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,8 +24,9 @@ from kvcr_router.cost import Decision
 from kvcr_router.indexer import BlockIndexer, Tier
 
 # (container, key): container "" is the body itself. Bounded label set for metrics.
-HINT_FIELDS = (("kv_transfer_params", "kv_hint"), ("", "kv_hint"), ("", "kv_hints"),
-               ("vllm_xargs", "kv_hint"), ("vllm_xargs", "kv_hints"))
+HINT_FIELDS = (("", "kv_transfer_params"), ("", "kv_hint"), ("", "kv_hints"),
+               ("vllm_xargs", "kv_transfer_params"), ("vllm_xargs", "kv_hint"),
+               ("vllm_xargs", "kv_hints"))
 
 
 def field_label(container: str, key: str) -> str:
@@ -27,7 +34,8 @@ def field_label(container: str, key: str) -> str:
 
 
 def strip_client_hints(body: dict[str, Any]) -> list[str]:
-    """Removes client-supplied hints in place; returns the fields that held one."""
+    """Removes client-supplied hints and transfer params (any value, null included) in
+    place; returns the fields that held one."""
     found = []
     for container, key in HINT_FIELDS:
         holder = body.get(container) if container else body
@@ -38,11 +46,24 @@ def strip_client_hints(body: dict[str, Any]) -> list[str]:
 
 
 def attach_hint(body: dict[str, Any], envelope: dict[str, Any]) -> None:
-    """Sets `kv_transfer_params.kv_hint` on a new params dict (the body may be a shallow copy
-    of one that a retry reuses: its nested dict must not keep this attempt's hint)."""
-    params = body.get("kv_transfer_params")
-    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}),
-                                  "kv_hint": envelope}
+    """Sets `kv_transfer_params` to a new dict holding only the router's hint (the body is a
+    shallow copy of one that a retry reuses: nothing nested may keep this attempt's hint)."""
+    body["kv_transfer_params"] = {"kv_hint": envelope}
+
+
+def strip_response_params(answer: bytes) -> bytes:
+    """A worker's JSON answer without its top-level `kv_transfer_params`; other bytes, and
+    answers without that field, unchanged."""
+    if b'"kv_transfer_params"' not in answer:
+        return answer
+    try:
+        parsed = json.loads(answer)
+    except ValueError:  # not JSON after all (includes UnicodeDecodeError)
+        return answer
+    if not isinstance(parsed, dict) or "kv_transfer_params" not in parsed:
+        return answer
+    del parsed["kv_transfer_params"]
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def build_envelope(message_id: str, source_endpoint: str,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvcr_router.hinting import HINT_FIELDS, field_label
+from kvcr_router.tokenizing import UNHASHED_REASONS
 
 ROUTES = ("completions", "chat")
 REQUEST_OUTCOMES = ("ok", "bad_request", "no_worker", "upstream_error", "client_gone")
@@ -18,6 +19,7 @@ REQUEST_OUTCOMES = ("ok", "bad_request", "no_worker", "upstream_error", "client_
 # a peer does, but by fewer than min_fetch_blocks; no_endpoint: the source has no peer
 # endpoint configured; unhashed: the prompt could not be tokenized (routed on load alone).
 HINT_OUTCOMES = ("emitted", "none", "below_crossover", "no_endpoint", "unhashed")
+# Why a request's prompt was not hashed: tokenizing.UNHASHED_REASONS (docs/router.md).
 UPSTREAM_FAILURES = ("connect", "timeout", "broken")
 FEED_KINDS = ("inventory", "kv_events")
 LEAD_BUCKETS_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -41,8 +43,11 @@ class RouterMetrics:
             "kvcr_router_decision_seconds", "Tokenize, hash and choose, per request",
             buckets=DECISION_BUCKETS_S, registry=registry)
         self.stripped = Counter("kvcr_router_client_hints_stripped_total",
-                                "Client-supplied KV hints removed before forwarding",
-                                ["field"], registry=registry)
+                                "Client-supplied KV hints and transfer params removed before "
+                                "forwarding", ["field"], registry=registry)
+        self.unhashed = Counter("kvcr_router_unhashed_total",
+                                "Requests routed on load alone because their prompt was not "
+                                "hashed, by reason", ["reason"], registry=registry)
         self.healthy = Gauge("kvcr_router_worker_healthy", "1 if the worker passes health checks",
                              ["worker"], registry=registry)
         self.active = Gauge("kvcr_router_worker_active_requests",
@@ -64,6 +69,8 @@ class RouterMetrics:
             self.hints.labels(outcome)
         for container, key in HINT_FIELDS:
             self.stripped.labels(field_label(container, key))
+        for reason in UNHASHED_REASONS:
+            self.unhashed.labels(reason)
         for worker in workers:
             self.decisions.labels(worker)
             self.healthy.labels(worker).set(0)
