@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.hints import parse_hint
@@ -24,7 +23,7 @@ from kvcr_router.front import Router
 from kvcr_router.hashing import PromptHasher
 from kvcr_router.hinting import hinted_hashes, strip_client_hints
 from kvcr_router.indexer import BlockIndexer, Tier
-from kvcr_router.testing import FakeInventory, FakeWorker
+from kvcr_router.testing import FakeInventory, FakeWorker, serving
 
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
                      num_layers=4, num_kv_heads=2, head_dim=64, layout="vllm-0.32.0/cpu/AVX2")
@@ -55,12 +54,8 @@ async def routed(workers: list[FakeWorker | str], readers: dict[str, Any] | None
                           **settings)
     router = Router(config, PromptHasher(DIGEST, 32), CollectorRegistry(),
                     new_reader=lambda spec: readers[spec.name])
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield router, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with serving(router) as url:
+        yield router, url
 
 
 async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:

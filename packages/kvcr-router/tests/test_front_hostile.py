@@ -15,7 +15,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.errors import ConfigError
@@ -26,7 +25,7 @@ from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.front import Router
 from kvcr_router.hashing import HfTokenizer, PromptHasher, PromptTokenizer
 from kvcr_router.indexer import Tier
-from kvcr_router.testing import FakeInventory, FakeWorker
+from kvcr_router.testing import FakeInventory, FakeWorker, serving
 from kvcr_router.tokenizing import UNHASHED_REASONS
 
 DIGEST = bytes(range(16))
@@ -99,12 +98,8 @@ async def front(workers: list[FakeWorker], tokenizer: PromptTokenizer | None = N
                           health_interval_s=0.1, inventory_interval_s=0.02, **overrides)
     router = Router(config, PromptHasher(DIGEST, BLOCK, tokenizer), CollectorRegistry(),
                     new_reader=lambda spec: readers[spec.name], environ=environ or {})
-    server = TestServer(router.app(), host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield router, str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with serving(router) as url:
+        yield router, url
 
 
 async def unhashed(http: aiohttp.ClientSession, url: str) -> dict[str, float]:

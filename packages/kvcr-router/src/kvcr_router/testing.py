@@ -1,6 +1,7 @@
 """Test doubles for the router, shipped with it: `FakeWorker`, a vLLM-like OpenAI server on
-127.0.0.1 that records the bodies and headers that reach it, and `FakeInventory`, an
-`InventorySource` that hands out the batches a test queues (or fails while `failing`).
+127.0.0.1 that records the bodies and headers that reach it, `FakeInventory`, an
+`InventorySource` that hands out the batches a test queues (or fails while `failing`), and
+`serving(router)`, the router's app on 127.0.0.1 for the duration of a `with` (its URL).
 
 It answers `/v1/completions` and `/v1/chat/completions` with `{"worker": name, ...}` (or an
 SSE stream of three chunks when the body asks for `stream`), and like vLLM with kvcr it adds
@@ -12,11 +13,28 @@ without answering). Threading: the event loop of the test that starts it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from kvcr_core.peers import InventoryBatch
+
+if TYPE_CHECKING:
+    from kvcr_router.front import Router
+
+
+@contextlib.asynccontextmanager
+async def serving(router: Router) -> AsyncIterator[str]:
+    """Serves `router` on a free 127.0.0.1 port until the block ends; yields its base URL."""
+    server = TestServer(router.app(), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
 
 
 class FakeWorker:
