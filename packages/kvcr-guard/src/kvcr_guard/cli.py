@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", action="append", default=[],
                     help="tcp://HOST:PORT of a peer clients may ask this daemon to fetch from "
                     "(repeatable)")
+    ap.add_argument("--no-pull-on-miss", dest="pull_on_miss", action="store_false",
+                    help="do not follow the --peer inventories to fetch on a local miss "
+                    "(default: follow them)")
+    ap.add_argument("--pull-min-blocks", type=int, default=PeerConfig.pull_min_blocks,
+                    help="pull on miss only runs of at least this many blocks "
+                    f"(default {PeerConfig.pull_min_blocks})")
+    ap.add_argument("--peer-feed-max-blocks", type=int, default=PeerConfig.feed_max_blocks,
+                    help="blocks remembered per followed peer, about 100 bytes each "
+                    f"(default {PeerConfig.feed_max_blocks})")
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
     ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
                     help="TLS for the peer channel: this node's PEM certificate and key, and "
@@ -96,7 +105,9 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
               if args.peer_listen or args.peer else None)
     peer = PeerConfig(listen=args.peer_listen, secret=secret, peers=frozenset(args.peer),
                       tls=PeerTLS(*args.peer_tls) if args.peer_tls else None,
-                      nixl=args.peer_nixl)
+                      nixl=args.peer_nixl, pull_on_miss=args.pull_on_miss,
+                      pull_min_blocks=args.pull_min_blocks,
+                      feed_max_blocks=args.peer_feed_max_blocks)
     extra: dict[str, Any] = {}
     if args.allowed_uid:
         extra["allowed_uids"] = frozenset(args.allowed_uid)

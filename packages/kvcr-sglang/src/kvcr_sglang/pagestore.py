@@ -11,9 +11,10 @@ copy. Reads are acquire + copy + release under a lease, so eviction never recycl
 being read; with `verify_loads` each page read is checked against its committed checksum (a
 page changed in the pool since is a miss, counted in `corrupt_pages`): `read` hashes what it
 copied into SGLang's page, `lease` (the linker, which copies layer by layer afterwards) the
-leased slots. Every kvcr fault
-(guard down, refused, protocol) becomes a miss or a failed store: SGLang then recomputes,
-never reads wrong bytes. Thread-safe: SGLang's
+leased slots. On a miss, pages a posted hint names a peer for are fetched first; without one
+(`pull_on_miss`), the run a peer holds, as the Runner follows its peers' inventories. Every
+kvcr fault (guard down, refused, protocol) becomes a miss or a failed store: SGLang then
+recomputes, never reads wrong bytes. Thread-safe: SGLang's
 prefetch, I/O and backup threads share one `AttachClient` (its own lock orders requests);
 copies run outside it (ctypes.memmove releases the GIL).
 """
@@ -33,6 +34,7 @@ from kvcr_core.attach import (
     AttachClient,
     EngineSettings,
     HintedFetcher,
+    HintedRun,
     RunnerUnavailable,
     Skipped,
     hinted_run,
@@ -87,12 +89,13 @@ class PageStoreStats:
     """Plain counters (read by `kvcr_stats()` and the benchmark); updated under the GIL."""
 
     __slots__ = ("corrupt_pages", "failures", "hinted_fetched_pages", "hinted_fetches",
-                 "hit_pages", "lookups", "miss_pages", "read_pages", "stored_pages")
+                 "hit_pages", "lookups", "miss_pages", "pulled_pages", "pulls", "read_pages",
+                 "stored_pages")
 
     def __init__(self) -> None:
         self.lookups = self.hit_pages = self.miss_pages = 0
         self.stored_pages = self.read_pages = self.failures = self.corrupt_pages = 0
-        self.hinted_fetches = self.hinted_fetched_pages = 0
+        self.hinted_fetches = self.hinted_fetched_pages = self.pulls = self.pulled_pages = 0
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -134,6 +137,7 @@ class PageStore:
         self.fetcher = HintedFetcher([self.client],
                                      settings.peer.peers if hinted else frozenset(),
                                      settings.peer.fetch_deadline_s)
+        self.pull_on_miss = settings.peer.pull_on_miss
         self.stats = PageStoreStats()
         self.io = IoSamples()
         self._base_lock = threading.Lock()
@@ -160,9 +164,10 @@ class PageStore:
         return hits
 
     def _fetch_hinted(self, page_keys: Sequence[str], keys: list[BlockKey], hits: int) -> int:
-        """Pages missed here that a posted hint says a peer holds: the Runner fetches the
-        hinted run right after the local prefix (core's `HintedFetcher`), then we look again.
-        Runs in SGLang's prefetch thread, bounded by the fetch deadline."""
+        """Pages missed here that a posted hint says a peer holds, or else (pull on miss) the
+        run a peer holds as its inventory says: the Runner fetches that run right after the
+        local prefix (core's `HintedFetcher`), then we look again. Runs in SGLang's prefetch
+        thread, bounded by the fetch deadline."""
         hashes: list[int] = []
         for page_key in page_keys[hits:]:
             h = router_hash(page_key)
@@ -170,13 +175,25 @@ class PageStore:
                 break
             hashes.append(h)
         sources = self.client.hint_sources(hashes) if hashes else []
-        started = self.fetcher.start([keys], hinted_run(hits, sources))
+        run = hinted_run(hits, sources)
+        if run is None and self.pull_on_miss:
+            found = self.client.remote_run(keys[hits:])
+            run = None if found is None else HintedRun(found[0], hits, hits + found[1])
+            pulled = run is not None
+        else:
+            pulled = False
+        started = self.fetcher.start([keys], run)
         if isinstance(started, Skipped):
             if started is not Skipped.NO_RUN:  # e.g. kvcr-guard does not list the peer (--peer)
                 self._fault("hinted_fetch", RunnerUnavailable(started.value, "no fetch"))
             return hits
-        self.stats.hinted_fetches += 1
-        self.stats.hinted_fetched_pages += started.wait().fetched
+        fetched = started.wait().fetched
+        if pulled:
+            self.stats.pulls += 1
+            self.stats.pulled_pages += fetched
+        else:
+            self.stats.hinted_fetches += 1
+            self.stats.hinted_fetched_pages += fetched
         return self.client.lookup(keys)
 
     def present(self, page_keys: Sequence[str]) -> list[bool]:

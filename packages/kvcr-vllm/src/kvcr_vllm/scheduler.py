@@ -19,6 +19,10 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
   again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
   lookup and load follow. A hint naming any other endpoint is refused and counted.
+- Pull on miss (`pull_on_miss`, on where `peers` are set; requests without a hint): when
+  kvcr's local prefix stops short of the prompt, the scheduler asks the Runner once which
+  peer holds the longest run of the blocks after it (the Runner follows its peers'
+  inventories) and fetches that run the same way; a hint, when present, wins.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -35,6 +39,7 @@ from kvcr_core.attach import (
     AttachClient,
     HintedFetch,
     HintedFetcher,
+    HintedRun,
     RunnerUnavailable,
     Skipped,
     hinted_run,
@@ -65,8 +70,10 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
     loading_ops: list[OpId] | None = None  # leases per rank while a load runs
     loaded_tokens: int = 0
-    fetch: HintedFetch | None = None  # a hinted peer fetch in flight
+    fetch: HintedFetch | None = None  # a hinted (or pulled) peer fetch in flight
     hint_done: bool = False
+    pulling: bool = False  # the fetch in flight is a pull on miss
+    pull_tried: bool = False
     block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
     finished: bool = False
@@ -96,6 +103,7 @@ class KVCRConnectorScheduler:
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
+        self.block_bytes = block_bytes
         self.stats = stats
         identity = settings.identity or f"vllm-scheduler-{engine_id[:12]}"
         self.clients = list(clients) if clients is not None else [
@@ -149,8 +157,9 @@ class KVCRConnectorScheduler:
         state = self._state(request)
         if state.bypass or not self.settings.load:
             return 0, False
-        if state.hint is not None and not state.hint_done and self._hint_pending(state):
-            return None, False  # a hinted fetch runs: ask again next step (bounded by deadline)
+        if (state.fetch is not None or (state.hint is not None and not state.hint_done)) \
+                and self._fetch_pending(state):
+            return None, False  # a peer fetch runs: ask again next step (bounded by deadline)
         bs = self.block_size
         # A hit may cover the whole prompt: after an async load vLLM recomputes the last
         # token itself (so it can sample the next one).
@@ -165,6 +174,8 @@ class KVCRConnectorScheduler:
             self.stats.failure("guard_unavailable")
             return 0, False
         self.stats.add("lookups")
+        if hit < n_blocks and self._may_pull(state) and self._start_pull(state, keys, hit):
+            return None, False  # pulling the run a peer holds: ask again next step
         if hit <= local_blocks:
             return 0, False
         state.local_tokens = num_computed_tokens
@@ -172,8 +183,8 @@ class KVCRConnectorScheduler:
 
     # -- hints -------------------------------------------------------------------------------
 
-    def _hint_pending(self, state: _RequestState) -> bool:
-        """Starts or polls the fetch of hinted blocks that extend kvcr's local prefix."""
+    def _fetch_pending(self, state: _RequestState) -> bool:
+        """Starts (hints) or polls the peer fetch of blocks that extend kvcr's local prefix."""
         if state.fetch is None:
             state.fetch = self._start_fetch(state)
             if state.fetch is None:
@@ -183,11 +194,41 @@ class KVCRConnectorScheduler:
         summary = state.fetch.poll()
         if summary is None:
             return True
+        state.fetch = None
         state.hint_done = True
-        self.stats.add("peer_fetched_blocks", summary.fetched)
+        if state.pulling:
+            self.stats.add("pulled_blocks", summary.fetched)
+            self.stats.add("pulled_bytes", summary.fetched * self.block_bytes * len(self.specs))
+        else:
+            self.stats.add("peer_fetched_blocks", summary.fetched)
         if summary.failed:
             self.stats.failure("peer_fetch", summary.failed)
         return False
+
+    def _may_pull(self, state: _RequestState) -> bool:
+        return (self.settings.peer.pull_on_miss and bool(self.fetcher.peers)
+                and state.hint is None and not state.pull_tried)
+
+    def _start_pull(self, state: _RequestState, keys: list[list[BlockKey]], have: int) -> bool:
+        """Asks the Runner which peer holds the longest run after `have` blocks (once per
+        request) and starts fetching it; False if no run worth it (nothing to wait for)."""
+        state.pull_tried = True
+        try:
+            found = self.clients[0].remote_run(keys[0][have:])
+        except RunnerUnavailable:
+            self.stats.failure("guard_unavailable")
+            return False
+        if found is None:
+            return False
+        endpoint, n = found
+        started = self.fetcher.start(keys, HintedRun(endpoint, have, have + n))
+        if isinstance(started, Skipped):
+            self.stats.failure("guard_unavailable" if started is Skipped.UNAVAILABLE
+                               else "peer_not_allowed")
+            return False
+        self.stats.add("pull_lookups")
+        state.fetch, state.pulling = started, True
+        return True
 
     def _start_fetch(self, state: _RequestState) -> HintedFetch | None:
         assert state.hint is not None

@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvcr_core.hints import HINT_OUTCOMES
 
 COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
-            "lookup_hit_tokens", "lookups", "peer_fetched_blocks")
+            "lookup_hit_tokens", "lookups", "peer_fetched_blocks", "pull_lookups",
+            "pulled_blocks", "pulled_bytes")
 FAILURE_REASONS = ("guard_unavailable", "load_copy", "save_copy", "evicted_before_load",
                    "save_refused", "config", "peer_not_allowed", "peer_fetch", "load_checksum")
 BYPASS_REASONS = ("multimodal", "prompt_embeds", "lora", "cache_salt")
@@ -116,7 +117,10 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 "stored_tokens": "Tokens whose KV was saved into kvcr",
                 "lookup_hit_tokens": "Tokens kvcr offered beyond the engine's own prefix cache",
                 "lookups": "kvcr lookups made by the scheduler",
-                "peer_fetched_blocks": "Blocks fetched from a hinted peer (verified)"}
+                "peer_fetched_blocks": "Blocks fetched from a hinted peer (verified)",
+                "pull_lookups": "Lookups that found a run a peer holds (pull on miss)",
+                "pulled_blocks": "Blocks pulled from peers on a local miss (verified)",
+                "pulled_bytes": "Bytes of those blocks, every TP rank's shard"}
         # vLLM types its metric classes as a union of Counter, Gauge and Histogram
         self._counters: dict[str, Any] = {name: self._counter_cls(
             name=f"vllm:kvcr_{name}_total", documentation=doc, labelnames=labelnames)

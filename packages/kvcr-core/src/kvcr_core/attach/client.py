@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import os
 import socket
 import threading
@@ -31,47 +30,19 @@ import msgspec
 
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.compound import CompoundOps, Gathered, Handle, Pending, chunks
+from kvcr_core.attach.replies import RunnerUnavailable as RunnerUnavailable
+from kvcr_core.attach.replies import as_count, as_lease, as_reservation
 from kvcr_core.blockcopy import load_blocks, store_blocks
-from kvcr_core.errors import HintRejected, KVCRError
+from kvcr_core.errors import HintRejected
 from kvcr_core.hints import split_hint
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, SlotPool
-from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
+from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId
 
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _MAX_IN_FLIGHT = 32
-
-
-class RunnerUnavailable(KVCRError):
-    """The Runner cannot be reached or refused us: carry on without the cache. `reason` is a
-    short bounded word: a `CloseReason` or `RefusalReason` value the server sent, or one of
-    "backoff", "closed", "attach_failed", "disconnected", "protocol" seen here."""
-
-    def __init__(self, reason: str | enum.Enum, detail: str) -> None:
-        self.reason: str = reason.value if isinstance(reason, enum.Enum) else reason
-        self.detail = detail
-        super().__init__(f"kvcr runner unavailable ({self.reason}): {detail}")
-
-
-def _single(results: list[p.Result]) -> p.Slots:
-    result = results[0]
-    if isinstance(result, p.Refused):
-        raise RunnerUnavailable(result.reason, result.detail)
-    if not isinstance(result, p.Slots):
-        raise RunnerUnavailable("protocol", f"expected slots, got {type(result).__name__}")
-    return result
-
-
-def _as_reservation(results: list[p.Result]) -> Reservation:
-    r = _single(results)
-    return Reservation(OpId(r.op), _slots(r.slots), r.granted, r.refused)
-
-
-def _as_lease(results: list[p.Result]) -> Lease:
-    r = _single(results)
-    return Lease(OpId(r.op), _slots(r.slots), r.granted, tuple(r.checksums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +50,6 @@ class Attachment:
     owner: OwnerId
     digest: NamespaceDigest
     pool: SlotPool
-
-
-def _count(results: list[p.Result]) -> int:
-    result = results[0]
-    if isinstance(result, p.Refused):
-        raise RunnerUnavailable(result.reason, result.detail)
-    if not isinstance(result, p.Count):
-        raise RunnerUnavailable("protocol", f"expected a count, got {type(result).__name__}")
-    return result.n
-
-
-def _slots(values: list[int]) -> tuple[SlotId | None, ...]:
-    return tuple(None if v == p.NO_SLOT else SlotId(v) for v in values)
 
 
 class AttachClient:
@@ -316,14 +274,24 @@ class AttachClient:
         return result
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        result = self._one(p.Lookup(list(keys)))
-        assert isinstance(result, p.Count)
-        return result.n
+        """READY blocks at the start of `keys` (one request per `MAX_KEYS_PER_OP` keys, only
+        while every block so far is READY)."""
+        found = 0
+        for part in chunks(keys, p.MAX_KEYS_PER_OP):
+            result = self._one(p.Lookup(list(part)))
+            assert isinstance(result, p.Count)
+            found += result.n
+            if result.n < len(part):
+                break
+        return found
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
-        result = self._one(p.Contains(list(keys)))
-        assert isinstance(result, p.Flags)
-        return result.values
+        flags: list[bool] = []
+        for part in chunks(keys, p.MAX_KEYS_PER_OP):
+            result = self._one(p.Contains(list(part)))
+            assert isinstance(result, p.Flags)
+            flags += result.values
+        return flags
 
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation:
         return self.reserve_async(keys).result()
@@ -332,7 +300,7 @@ class AttachClient:
         """Reserve now, collect the slots later (overlap the round trip with copying). More
         keys than one request may reserve go in several pipelined requests, answered as one
         reservation (kvcr_core.attach.compound)."""
-        parts = [Pending(self._await, self.submit([p.Reserve(list(c))]).seq, _as_reservation)
+        parts = [Pending(self._await, self.submit([p.Reserve(list(c))]).seq, as_reservation)
                  for c in chunks(keys)]
         if len(parts) == 1:
             return parts[0]
@@ -346,7 +314,7 @@ class AttachClient:
         """Publishes reservation `op`; `checksums`: each granted block's `block_checksum`, in
         the reservation's order, taken right after copying it. Returns blocks published."""
         results = [self.submit([c]) for c in self._commits(op, checksums)]
-        return sum(_count(r.result()) for r in results)
+        return sum(as_count(r.result()) for r in results)
 
     def commit_nowait(self, op: OpId, *, checksums: Sequence[int]) -> None:
         """`commit` without waiting for the reply (see `submit_nowait`)."""
@@ -368,7 +336,7 @@ class AttachClient:
 
     def abort(self, op: OpId) -> int:
         results = [self.submit([p.Abort(part)]) for part in self._parts(op)]
-        return sum(_count(r.result()) for r in results)
+        return sum(as_count(r.result()) for r in results)
 
     def release(self, op: OpId) -> bool:
         results = [self.submit([p.Release(part)]) for part in self._parts(op)]
@@ -397,7 +365,7 @@ class AttachClient:
         """Acquire now, collect the leased slots later (in several pipelined requests when
         there are more keys than one request may lease; see `reserve_async`)."""
         parts = [Pending(self._await, self.submit([p.Acquire(list(c), prefix_only, checksums)]).seq,
-                         _as_lease) for c in chunks(keys)]
+                         as_lease) for c in chunks(keys)]
         if len(parts) == 1:
             return parts[0]
         return Gathered([part.result for part in parts],
@@ -444,13 +412,23 @@ class AttachClient:
             parts = split_hint(envelope, p.MAX_ATTACH_HINT_BYTES)
         except HintRejected:
             return 0
-        return sum(_count(h.result()) for h in [self.submit([p.PostHint(e)]) for e in parts])
+        return sum(as_count(h.result()) for h in [self.submit([p.PostHint(e)]) for e in parts])
+
+    def remote_run(self, keys: Sequence[BlockKey]) -> tuple[str, int] | None:
+        """Pull on miss: (peer, n) if a configured peer holds the first n of `keys` (a run
+        worth fetching, as the Runner follows its peers' inventories); else None."""
+        result = self._one(p.RemoteRun(list(keys[:p.MAX_KEYS_PER_OP])))
+        assert isinstance(result, p.Run)
+        return (result.endpoint, result.n) if result.n > 0 else None
 
     def hint_sources(self, hashes: Sequence[int]) -> list[str | None]:
         """The hinted source endpoint of each router hash (None: no live hint)."""
-        result = self._one(p.HintSources(list(hashes)))
-        assert isinstance(result, p.Sources)
-        return [result.endpoints[i] if i >= 0 else None for i in result.index]
+        sources: list[str | None] = []
+        for part in chunks(hashes, p.MAX_KEYS_PER_OP):
+            result = self._one(p.HintSources(list(part)))
+            assert isinstance(result, p.Sources)
+            sources += [result.endpoints[i] if i >= 0 else None for i in result.index]
+        return sources
 
     def stats(self) -> p.PoolStats:
         result = self._one(p.Stats())

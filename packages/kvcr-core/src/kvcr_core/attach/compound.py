@@ -20,17 +20,17 @@ from typing import Generic, Protocol, TypeVar
 
 from kvcr_core.attach.protocol import MAX_HEAVY_KEYS_PER_REQUEST, Result
 from kvcr_core.index import NO_OP, Lease, Reservation
-from kvcr_core.types import BlockKey, OpId
+from kvcr_core.types import OpId
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 _FIRST_ID = 1 << 62  # above any id a server hands out
 
 
-def chunks(keys: Sequence[BlockKey]) -> list[Sequence[BlockKey]]:
-    """`keys` in parts of at most the per-request bound (one part when it fits)."""
-    step = MAX_HEAVY_KEYS_PER_REQUEST
-    return [keys[i:i + step] for i in range(0, len(keys), step)] or [keys]
+def chunks(items: Sequence[T], step: int = MAX_HEAVY_KEYS_PER_REQUEST) -> list[Sequence[T]]:
+    """`items` in parts of at most `step` (by default the per-request bound of heavy keys;
+    one part when it fits)."""
+    return [items[i:i + step] for i in range(0, len(items), step)] or [items]
 
 
 class Handle(Protocol[T_co]):

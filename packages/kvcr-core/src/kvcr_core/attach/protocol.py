@@ -184,6 +184,13 @@ class HintSources(Message, tag="hint_sources"):
                       msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
 
 
+class RemoteRun(Message, tag="remote_run"):
+    """Pull on miss: which configured peer holds the longest run of `keys` (the blocks after
+    a local prefix), from the first, as their inventory feeds say; answered by `Run`."""
+
+    keys: Keys
+
+
 class PeerFetch(Message, tag="peer_fetch"):
     """Ask the Runner to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
 
@@ -197,7 +204,7 @@ class PeerPoll(Message, tag="peer_poll"):
 
 
 Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
-      | PostHint | HintSources | PeerFetch | PeerPoll)
+      | PostHint | HintSources | RemoteRun | PeerFetch | PeerPoll)
 
 
 class Request(Message, tag="request"):
@@ -274,12 +281,21 @@ class Sources(Message, tag="sources"):
     index: list[int]
 
 
+class Run(Message, tag="run"):
+    """`RemoteRun`'s answer: the first `n` keys are held by `endpoint` ("" and 0: by no peer,
+    or by none in a run worth fetching)."""
+
+    endpoint: str
+    n: int
+
+
 class Refused(Message, tag="refused"):
     reason: RefusalReason
     detail: str
 
 
-Result = Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Refused
+Result = (Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Run
+          | Refused)
 
 
 class Reply(Message, tag="reply"):

@@ -37,6 +37,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -52,7 +53,7 @@ from kvcr_core.keys import NamespaceSpec
 from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import OwnerId
+from kvcr_core.types import BlockKey, NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -158,7 +159,7 @@ class AttachServer:
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self.tenancy.serve_peers()
+        self.tenancy.start_peers()
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
@@ -212,6 +213,10 @@ class AttachServer:
 
     def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
         return self.tenancy.peer_client(store, endpoint)
+
+    def remote_run(self, namespace: NamespaceDigest,
+                   keys: Sequence[BlockKey]) -> tuple[str, int] | None:
+        return self.tenancy.remote_run(namespace, keys)
 
     @property
     def peer_server(self) -> PeerServer | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 import msgspec
@@ -33,7 +34,7 @@ from kvcr_core.keys import NamespaceSpec
 from kvcr_core.peers import PeerClient
 from kvcr_core.peers.client import FetchHandle
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import BlockKey, OpId, OwnerId
+from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId
 
 T = TypeVar("T")
 
@@ -99,6 +100,9 @@ class SessionHost(Protocol):
     def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None: ...
 
     def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None: ...
+
+    def remote_run(self, namespace: NamespaceDigest,
+                   keys: Sequence[BlockKey]) -> tuple[str, int] | None: ...
 
     @property
     def fetches_from_peers(self) -> bool: ...
@@ -220,6 +224,9 @@ class ClientSession:
             return p.Count(self._host.runner.post_hint(op.envelope))
         if isinstance(op, p.HintSources):
             return self._hint_sources(op, budget)
+        if isinstance(op, p.RemoteRun):
+            found = self._host.remote_run(store.digest, self._keys(budget.cheap(op.keys)))
+            return p.Run(*found) if found is not None else p.Run("", 0)
         if isinstance(op, p.PeerFetch):
             return self._peer_fetch(op, store)
         if isinstance(op, p.PeerPoll):

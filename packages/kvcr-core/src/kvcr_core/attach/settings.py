@@ -27,7 +27,10 @@ from kvcr_core.peers import PeerSecret, PeerTLS
 
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
-                         "peers", "fetch_deadline_s", "peer_tls", "peer_nixl"})
+                         "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
+                         "pull_min_blocks", "peer_feed_max_blocks"})
+DEFAULT_PULL_MIN_BLOCKS = 2
+DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
 
 
@@ -56,6 +59,12 @@ class PeerConfig:
     nixl: bool = False
     """Move peer transfers to NIXL when both sides have it (trusted nodes only)."""
     fetch_deadline_s: float = 2.0
+    pull_on_miss: bool = True
+    """Follow the peers' inventories and fetch a run a peer holds on a local miss."""
+    pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS
+    """A shorter remote run is recomputed instead (fetching it costs more)."""
+    feed_max_blocks: int = DEFAULT_FEED_MAX_BLOCKS
+    """Blocks remembered per followed peer (about 100 bytes each); the oldest go first."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str):
@@ -72,8 +81,13 @@ class PeerConfig:
             except HintRejected as exc:
                 raise ConfigError("peers", peer, exc.detail) from None
         object.__setattr__(self, "peers", frozenset(normalised))
-        if not isinstance(self.nixl, bool):
-            raise ConfigError("peer_nixl", self.nixl, "use true or false")
+        for name, flag in (("peer_nixl", self.nixl), ("pull_on_miss", self.pull_on_miss)):
+            if not isinstance(flag, bool):
+                raise ConfigError(name, flag, "use true or false")
+        for name, count, top in (("pull_min_blocks", self.pull_min_blocks, 1 << 20),
+                                 ("peer_feed_max_blocks", self.feed_max_blocks, 1 << 26)):
+            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= top:
+                raise ConfigError(name, count, f"give a whole number from 1 to {top}")
         object.__setattr__(self, "fetch_deadline_s",
                            _seconds("fetch_deadline_s", self.fetch_deadline_s))
 
@@ -106,7 +120,11 @@ class PeerConfig:
         try:
             config = cls(listen=extra.get("peer_listen", ""), peers=frozenset(peers), tls=tls,
                          nixl=extra.get("peer_nixl", False),
-                         fetch_deadline_s=extra.get("fetch_deadline_s", 2.0))
+                         fetch_deadline_s=extra.get("fetch_deadline_s", 2.0),
+                         pull_on_miss=extra.get("pull_on_miss", True),
+                         pull_min_blocks=extra.get("pull_min_blocks", DEFAULT_PULL_MIN_BLOCKS),
+                         feed_max_blocks=extra.get("peer_feed_max_blocks",
+                                                   DEFAULT_FEED_MAX_BLOCKS))
         except ConfigError as exc:
             raise ConfigError(f"{field}.{exc.field}", exc.value, exc.fix) from None
         if not (load_secret and config.active):

@@ -1,26 +1,30 @@
 """`Tenancy`: the attach server's namespace policy. Who may attach to which namespace now
 (attached clients at most `max_clients`, a tenant's namespaces only from its uids, at most
-`uid_max_namespaces` namespaces per uid), the Runner's peer server and each namespace's peer
-fetcher, and giving back the memory of a namespace nobody attached to, read or wrote for
-`namespace_idle_s` (its READY blocks leave the inventory as removed).
+`uid_max_namespaces` namespaces per uid), the Runner's peer server, each namespace's peer
+fetcher and the peer directory (pull on miss: the peers' inventories, followed), and giving
+back the memory of a namespace nobody attached to, read or wrote for `namespace_idle_s` (its
+READY blocks leave the inventory as removed).
 
 Threading: the attach server's loop thread only (the peer server runs threads of its own).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcr_core.attach.config import ServerConfig
 from kvcr_core.attach.metrics import AttachMetrics
 from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientSession
-from kvcr_core.keys import NamespaceSpec
+from kvcr_core.keys import NamespaceSpec, router_hash_kvcr_v1
 from kvcr_core.logs import printable
-from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
+from kvcr_core.peers import InventoryReader, PeerClient, PeerMetrics, PeerServer
+from kvcr_core.peers.directory import InventorySource, PeerDirectory
+from kvcr_core.peers.metrics import DirectoryMetrics
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import NamespaceDigest
+from kvcr_core.types import BlockKey, NamespaceDigest
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -36,11 +40,19 @@ class Tenancy:
         self.peer_metrics = peer_metrics
         self.peer_server: PeerServer | None = None
         self.peer_clients: dict[NamespaceDigest, PeerClient] = {}
+        self.directory: PeerDirectory | None = None
         self._last_used: dict[NamespaceDigest, float] = {}
 
-    def serve_peers(self) -> None:
-        """Starts the peer server, if the config has the Runner serve peers."""
+    def start_peers(self) -> None:
+        """Starts the peer server and the peer directory, as far as the config asks."""
         peer = self.config.peer
+        if peer.peers and peer.pull_on_miss and peer.secret is not None:
+            readers: dict[str, Callable[[], InventorySource]] = {
+                endpoint: functools.partial(InventoryReader, endpoint, peer.secret,
+                                            tls=peer.tls)
+                for endpoint in sorted(peer.peers)}
+            self.directory = PeerDirectory(readers, DirectoryMetrics(self.peer_metrics.registry),
+                                           max_blocks=peer.feed_max_blocks)
         if not peer.listen:
             return
         host, _, port = peer.listen.rpartition(":")
@@ -82,6 +94,15 @@ class Tenancy:
                 store, peer.secret, self.peer_metrics, tls=peer.tls, nixl=peer.nixl)
         return client
 
+    def remote_run(self, namespace: NamespaceDigest,
+                   keys: Sequence[BlockKey]) -> tuple[str, int] | None:
+        """The peer holding the longest run of `keys` from the first (pull on miss), if that
+        run is worth fetching (`pull_min_blocks`)."""
+        if self.directory is None or not keys:
+            return None
+        return self.directory.run(namespace, [router_hash_kvcr_v1(k) for k in keys],
+                                  self.config.peer.pull_min_blocks)
+
     def used(self, digest: NamespaceDigest, now: float) -> None:
         """A client attached to or left the namespace at `now`."""
         self._last_used[digest] = now
@@ -112,6 +133,8 @@ class Tenancy:
                      digest.hex(), idle_s, store.pool.region.size_bytes)
 
     def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
         if self.peer_server is not None:
             self.peer_server.close()
         for client in self.peer_clients.values():

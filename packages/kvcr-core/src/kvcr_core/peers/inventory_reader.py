@@ -1,7 +1,8 @@
 """`InventoryReader`: what a router uses to follow one runner's stored/removed blocks (and to
 post it KV hints ahead of requests, `post_hint`).
 
-Connects to the runner's peer endpoint with the shared secret (as an inventory-only peer),
+Connects to the runner's peer endpoint with the shared secret (as an inventory-only peer;
+over TLS when given the peer channel's `PeerTLS`),
 then `poll()` returns the batches after the last one seen, and whether the reader fell
 behind (`reset`: forget this runner's blocks and rebuild from what follows). Blocking, with a
 deadline per call; not thread-safe (one reader per thread).
@@ -19,14 +20,17 @@ from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.connection import PeerRefused, authenticate
+from kvcr_core.peers.tls import PeerTLS
 
 R = TypeVar("R", pp.InventoryReply, pp.HintPosted)
 
 class InventoryReader:
-    def __init__(self, endpoint: str, secret: PeerSecret, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, secret: PeerSecret, timeout_s: float = 5.0, *,
+                 tls: PeerTLS | None = None) -> None:
         self.endpoint = Endpoint.parse(endpoint, where="inventory endpoint")
         self.secret = secret
         self.timeout_s = timeout_s
+        self._tls = tls.client_context() if tls is not None else None
         self.since = 0
         self.epoch: int | None = None
         self._sock: socket.socket | None = None
@@ -76,6 +80,8 @@ class InventoryReader:
         sock = socket.create_connection((self.endpoint.host, self.endpoint.port),
                                         timeout=self.timeout_s)
         try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.endpoint.host)
             authenticate(sock, self.secret, b"", 0, str(self.endpoint))
         except BaseException:
             sock.close()

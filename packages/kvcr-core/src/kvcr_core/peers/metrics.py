@@ -1,12 +1,14 @@
-"""`kvcr_peer_*` collectors (one set per Runner registry), hot-path cheap like the Runner's."""
+"""`kvcr_peer_*` and `kvcr_pull_*` collectors (one set per Runner registry), hot-path cheap
+like the Runner's."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvcr_core.metrics import LightMetrics
 from kvcr_core.peers.protocol import RefuseReason, Transport
@@ -79,3 +81,54 @@ class PeerMetrics(LightMetrics):
             yield self.labelled("kvcr_peer_refusals_total",
                                 "Peer connections refused, by reason", "reason",
                                 dict(self.refused))
+
+
+PULL_OUTCOMES = ("remote_run", "short", "none")
+"""A pull-on-miss lookup: a peer holds a run worth fetching, only a shorter one, or none."""
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> dict[str, tuple[int, int, float | None]]: ...
+
+
+class DirectoryMetrics(LightMetrics):
+    """`kvcr_pull_*` and `kvcr_peer_feed_*`: the peer directory (pull on miss). The `peer`
+    label is a configured peer endpoint (bounded by the configuration)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self.lookups = dict.fromkeys(PULL_OUTCOMES, 0)
+        self.offered_blocks = 0
+        self._source: SnapshotSource | None = None
+        self.register()
+
+    def bind(self, source: SnapshotSource) -> None:
+        self._source = source
+
+    def on_lookup(self, outcome: str, blocks: int) -> None:
+        with self.lock:
+            self.lookups[outcome] += 1
+            self.offered_blocks += blocks
+
+    def collect(self) -> Iterator[Metric]:
+        feeds = self._source.snapshot() if self._source is not None else {}
+        blocks = GaugeMetricFamily("kvcr_peer_feed_blocks", "Blocks a peer holds, as its "
+                                   "inventory feed says", labels=["peer"])
+        lag = GaugeMetricFamily("kvcr_peer_feed_lag_seconds", "Seconds since the peer's "
+                                "feed was last read to its end (absent: never)", labels=["peer"])
+        resets = CounterMetricFamily("kvcr_peer_feed_resets", "Times what was known of a peer "
+                                     "was dropped (restart, lost batches, lost connection)",
+                                     labels=["peer"])
+        for peer, (known, reset_count, behind_s) in feeds.items():
+            blocks.add_metric([peer], known)
+            resets.add_metric([peer], reset_count)
+            if behind_s is not None:
+                lag.add_metric([peer], behind_s)
+        yield blocks
+        yield lag
+        yield resets
+        with self.lock:
+            yield self.labelled("kvcr_pull_lookups_total", "Pull-on-miss lookups in the peer "
+                                "directory, by outcome", "outcome", dict(self.lookups))
+            yield self.counter("kvcr_pull_offered_blocks_total", "Blocks of remote runs the "
+                               "directory named for pull on miss", self.offered_blocks)

@@ -4,7 +4,9 @@
 - `FakeAttachClient`: the `AttachClient` surface the adapters use, straight on a namespace
   store of an in-process `Runner` (real index, real pool memory). Peer fetches copy blocks
   from other in-process Runners named by endpoint (`sources`); an endpoint mapped to None is a
-  peer that never answers, so only the caller's deadline ends its fetch. `down = True` makes
+  peer that never answers, so only the caller's deadline ends its fetch. `remote_run` (pull
+  on miss) names the source holding the longest run, as a Runner following their inventories
+  would (at least `pull_min_blocks`). `down = True` makes
   every call raise `RunnerUnavailable` (a lost Runner). `calls` counts operations by name.
 
 Threading: a `FakeAttachClient` is as thread-safe as the store under it; `ManualClock` is not
@@ -19,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.client import RunnerUnavailable
+from kvcr_core.attach.settings import PeerConfig
 from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
@@ -62,6 +65,7 @@ class FakeAttachClient:
         self.identity = identity
         self.sources = dict(sources or {})
         self.answer_after_polls = answer_after_polls
+        self.pull_min_blocks = PeerConfig.pull_min_blocks
         self.down = False
         self.attach_count = 1
         self.calls: collections.Counter[str] = collections.Counter()
@@ -131,6 +135,17 @@ class FakeAttachClient:
     def hint_sources(self, hashes: Sequence[int]) -> list[str | None]:
         self._call("hint_sources")
         return self.runner.hint_board.sources(hashes)
+
+    def remote_run(self, keys: Sequence[BlockKey]) -> tuple[str, int] | None:
+        self._call("remote_run")
+        best: tuple[str, int] | None = None
+        for endpoint, source in self.sources.items():
+            if source is None:
+                continue
+            held = source.open_namespace(self.namespace, self.block_bytes).lookup(keys)
+            if held and (best is None or held > best[1]):
+                best = (endpoint, held)
+        return best if best is not None and best[1] >= self.pull_min_blocks else None
 
     def peer_fetch(self, endpoint: str, keys: Sequence[BlockKey], deadline_s: float) -> int:
         self._call("peer_fetch")
