@@ -263,3 +263,58 @@ def test_a_lost_runner_costs_nothing_but_the_cache() -> None:
     node.scheduler.on_new_request(request)
     assert node.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert node.counters()["failures_guard_unavailable"] == 1
+
+
+def stocked_source(node: Node, tokens: list[int]) -> Runner:
+    """Another node's Runner holding every rank's full blocks of `tokens`."""
+    source = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
+                    registry=CollectorRegistry())
+    for rank, s in enumerate(node.specs):
+        keys = node.keys(tokens, rank)
+        source.open_namespace(s, BLOCK).store(keys, [pattern_block(k, BLOCK) for k in keys])
+    return source
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_miss_pulls_the_run_a_peer_holds_without_any_hint(tp: int) -> None:
+    """Risk: without a router's hint a prompt another node holds is recomputed (no pull),
+    only rank 0 is pulled, or the scheduler reports a hit before the pull ended."""
+    node = Node(tp, sources={PEER: None}, answer_after_polls=2)
+    node.stock(TOKENS[:8])  # 2 blocks here; the peer holds all 8
+    source = stocked_source(node, TOKENS)
+    for client in node.clients:
+        client.sources[PEER] = source
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # pull started
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # still running
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True)
+    assert node.clients[0].calls["remote_run"] == 1
+    assert all(c.calls["peer_fetch"] == 1 for c in node.clients)
+    for rank, client in enumerate(node.clients):
+        keys = node.keys(TOKENS, rank)
+        assert client.store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+    counters = node.counters()
+    assert counters["pull_lookups"] == 1 and counters["pulled_blocks"] == 6
+    assert counters["pulled_bytes"] == 6 * BLOCK * tp
+
+
+@pytest.mark.parametrize("case", ["off", "hinted", "short", "nothing_remote"])
+def test_pull_on_miss_stays_out_of_the_way(case: str) -> None:
+    """Risk: a pull when the operator turned it off, one that overrides the router's hint,
+    one for a run too short to be worth a fetch, or a request stalled when no peer holds
+    anything."""
+    extra = {"pull_on_miss": False} if case == "off" else {}
+    node = Node(sources={PEER: None}, extra=extra)
+    source = stocked_source(node, TOKENS[:4] if case == "short" else TOKENS)
+    if case != "nothing_remote":
+        node.clients[0].sources[PEER] = source
+    params = hint(TOKENS, node, "tcp://10.0.0.3:7500") if case == "hinted" else None
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=params)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert node.clients[0].calls["remote_run"] == (1 if case in ("short", "nothing_remote")
+                                                   else 0)
+    assert node.clients[0].calls["peer_fetch"] == 0

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pull on miss only runs of at least this many blocks "
                     f"(default {PeerConfig.pull_min_blocks})")
     ap.add_argument("--peer-feed-max-blocks", type=int, default=PeerConfig.feed_max_blocks,
-                    help="blocks remembered per followed peer, about 100 bytes each "
+                    help="blocks remembered per followed peer, about 130 bytes each "
                     f"(default {PeerConfig.feed_max_blocks})")
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
     ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
