@@ -72,3 +72,19 @@ def test_bench_guard_under_attack_runs_every_attack_and_checks_the_engines_block
     assert all(r["round_trips"] > 100 and r["p99_ms"] > 0 for r in rows.values())
     assert all(r["engine_blocks_intact"] for c, r in rows.items() if c != "scribble")
     assert result["summary"]["worst_p99_ms"] == max(r["p99_ms"] for r in rows.values())
+
+
+@pytest.mark.slow
+def test_bench_pull_quick_json_reports_every_case() -> None:
+    """`kvcr bench pull --quick --json` runs two real vLLM engines end to end: the pulled and
+    the hinted prompts were really reused (hit tokens), and every figure is reported."""
+    out = kvcr("bench", "pull", "--quick", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout)["summary"]
+    assert summary["pull_hit_tokens_min"] >= 2048 - 32
+    assert summary["hint_hit_tokens_min"] >= 2048 - 32
+    for name in ("ttft_pull_ms", "ttft_hint_ms", "ttft_local_prefix_ms"):
+        assert summary[name]["p50_ms"] > 0
+    assert all(row["pulled"] for row in summary["break_even"])
+    assert summary["commit_to_known_ms"]["p99_ms"] > 0
+    assert 0 < summary["follower_bytes_per_block"] < 400

@@ -310,6 +310,7 @@ def test_pull_on_miss_stays_out_of_the_way(case: str) -> None:
     source = stocked_source(node, TOKENS[:4] if case == "short" else TOKENS)
     if case != "nothing_remote":
         node.clients[0].sources[PEER] = source
+    node.clients[0].pull_min_blocks = 2  # as `pull_min_blocks` would: one block is too short
     params = hint(TOKENS, node, "tcp://10.0.0.3:7500") if case == "hinted" else None
     request = FakeRequest("r1", TOKENS, kv_transfer_params=params)
     sched = node.scheduler

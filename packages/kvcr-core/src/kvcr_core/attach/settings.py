@@ -29,7 +29,7 @@ ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", 
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
                          "pull_min_blocks", "peer_feed_max_blocks"})
-DEFAULT_PULL_MIN_BLOCKS = 2
+DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
 
