@@ -52,7 +52,8 @@ def test_posted_hint_lets_sglang_fetch_missing_pages_from_the_named_peer(
                            "--peer-secret-file", secret_file).start()
     source = peer_endpoint(node_a)
     node_b = harness.Guard(os.path.join(short_tmp, "b"), "--peer-listen", "127.0.0.1:0",
-                           "--peer", source, "--peer-secret-file", secret_file).start()
+                           "--peer", source, "--peer-secret-file", secret_file,
+                           "--no-pull-on-miss").start()  # hints only (test_pull.py: pulls)
     out = subprocess.run([sys.executable, SIDE, node_a.socket, "write"], capture_output=True,
                          text=True, timeout=240, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

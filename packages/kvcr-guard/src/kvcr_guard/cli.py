@@ -65,15 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", action="append", default=[],
                     help="tcp://HOST:PORT of a peer clients may ask this daemon to fetch from "
                     "(repeatable)")
-    ap.add_argument("--no-pull-on-miss", dest="pull_on_miss", action="store_false",
-                    help="do not follow the --peer inventories to fetch on a local miss "
-                    "(default: follow them)")
-    ap.add_argument("--pull-min-blocks", type=int, default=PeerConfig.pull_min_blocks,
-                    help="pull on miss only runs of at least this many blocks "
-                    f"(default {PeerConfig.pull_min_blocks})")
-    ap.add_argument("--peer-feed-max-blocks", type=int, default=PeerConfig.feed_max_blocks,
-                    help="blocks remembered per followed peer, about 130 bytes each "
-                    f"(default {PeerConfig.feed_max_blocks})")
+    _pull_flags(ap)
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
     ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
                     help="TLS for the peer channel: this node's PEM certificate and key, and "
@@ -87,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=None,
                     help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
     return ap
+
+
+def _pull_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--no-pull-on-miss", dest="pull_on_miss", action="store_false",
+                    help="do not follow the --peer inventories to fetch on a local miss "
+                    "(default: follow them)")
+    ap.add_argument("--pull-min-blocks", type=int, default=PeerConfig.pull_min_blocks,
+                    help="pull on miss only runs of at least this many blocks "
+                    f"(default {PeerConfig.pull_min_blocks})")
+    ap.add_argument("--peer-feed-max-blocks", type=int, default=PeerConfig.feed_max_blocks,
+                    help="blocks remembered per followed peer, about 130 bytes each "
+                    f"(default {PeerConfig.feed_max_blocks})")
 
 
 def config_from_args(args: argparse.Namespace) -> GuardConfig:

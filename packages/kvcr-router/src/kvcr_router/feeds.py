@@ -24,23 +24,15 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import Any
 
 from kvcr_core.keys import block_keys, router_hash_kvcr_v1
-from kvcr_core.peers import InventoryBatch
+from kvcr_core.peers import InventoryBatch, InventorySource
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.metrics import RouterMetrics
 
 log = logging.getLogger("kvcr_router")
 MAX_BACKOFF_S = 5.0
-
-
-class InventorySource(Protocol):
-    epoch: int | None
-
-    def poll(self) -> tuple[bool, list[InventoryBatch]]: ...
-
-    def close(self) -> None: ...
 
 
 class InventoryFeed:

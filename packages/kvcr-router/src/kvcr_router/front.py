@@ -38,11 +38,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvcr_core.peers import InventoryReader, PeerSecret
+from kvcr_core.peers import InventoryReader, InventorySource, PeerSecret
 from kvcr_router.access import CacheDetailsGate
 from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.cost import Decision, choose
-from kvcr_router.feeds import InventoryFeed, InventorySource, KvEventsFeed, VllmEventTranslator
+from kvcr_router.feeds import InventoryFeed, KvEventsFeed, VllmEventTranslator
 from kvcr_router.hashing import PromptHasher, PromptKind
 from kvcr_router.hinting import (
     attach_hint,

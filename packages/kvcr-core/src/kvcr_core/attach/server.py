@@ -2,10 +2,9 @@
 protocol, kvcr_core.attach.protocol). kvcr-guard hosts it in a daemon; embedded mode in the
 engine process, on a thread of its own.
 
-One thread runs everything: a `selectors` loop over the listening socket, every client
-connection, every client's pidfd and a wake-up pipe. Index operations take microseconds, so
-serving them inline is faster than handing them to workers, and it makes the server's state
-single-owner. The loop blocks in `select` when idle (no polling, no spinning).
+One thread runs everything: a `selectors` loop (blocking when idle) over the listening socket,
+every client connection and pidfd, and a wake-up pipe. Index operations take microseconds:
+served inline, they are faster than with workers, and the server's state is single-owner.
 
 Fairness and bounds: complete frames wait in a run queue and each connection gets one frame
 per turn, so no client's burst delays the others by more than one of its frames; a

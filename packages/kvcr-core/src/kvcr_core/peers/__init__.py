@@ -13,6 +13,7 @@ from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.client import FetchHandle, FetchResult, PeerClient
 from kvcr_core.peers.connection import PeerRefused
+from kvcr_core.peers.directory import InventorySource
 from kvcr_core.peers.inventory_reader import InventoryReader
 from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
 from kvcr_core.peers.protocol import Transport
@@ -23,7 +24,7 @@ from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 
 __all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryBatch", "InventoryReader",
-           "NixlTransport",
+           "InventorySource", "NixlTransport",
            "PeerClient", "PeerMetrics", "PeerRefused", "PeerSecret", "PeerServer", "PeerTLS",
            "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "Transport",
            "TransportError"]
