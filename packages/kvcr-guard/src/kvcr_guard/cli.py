@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--namespace-idle-s", type=float, default=DEFAULT_NAMESPACE_IDLE_S,
                     help="a namespace nobody used for this long gives its memory back "
                     f"(default {DEFAULT_NAMESPACE_IDLE_S:g}; 0 = never)")
+    ap.add_argument("--prefault", action="store_true",
+                    help="back each namespace's pool pages when it opens, so they are charged "
+                    "to this daemon's memory cgroup, not to the engines that map them "
+                    "(Kubernetes: request the pool's memory on the daemon's container)")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
@@ -105,7 +109,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         socket_path=args.socket, runner=runner, peer=peer, tenants=_tenants(args.tenant),
         uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
         max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
-        limits=limits, namespace_idle_s=args.namespace_idle_s or None, **extra)
+        limits=limits, namespace_idle_s=args.namespace_idle_s or None, prefault=args.prefault,
+        **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,
                        metrics_port=args.metrics_port)
 
