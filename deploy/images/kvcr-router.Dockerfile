@@ -16,9 +16,9 @@ COPY deploy/images/requirements/router.txt /tmp/requirements.txt
 COPY --from=wheels /wheels /tmp/wheels
 RUN pip install --no-cache-dir -r /tmp/requirements.txt /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels /tmp/requirements.txt \
-    && groupadd --gid 1000 kvcr \
-    && useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin kvcr
+    && groupadd --gid 10001 kvcr \
+    && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvcr
 ENV HF_HUB_OFFLINE=1
-USER 1000:1000
+USER 10001:10001
 ENTRYPOINT ["kvcr-router"]
 CMD ["--help"]

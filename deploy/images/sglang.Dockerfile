@@ -5,8 +5,7 @@
 # Pick the upstream tag's CUDA flavour for your drivers with --build-arg SGLANG_IMAGE=...
 # Only kvcr's wheels are added (--no-deps): kvcr-core's dependencies are SGLang's own (msgspec,
 # prometheus-client, xxhash) or come with transformers (PyYAML), and stay as upstream built
-# them. Runs as uid 1000 (the upstream base may already name it, e.g. Ubuntu 24.04's `ubuntu`;
-# it is reused then).
+# them. Runs as uid 10001, which no base image or host account uses.
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -20,8 +19,7 @@ FROM ${SGLANG_IMAGE}
 COPY --from=wheels /wheels /tmp/wheels
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels \
-    && (getent group 1000 || groupadd --gid 1000 kvcr) \
-    && (getent passwd 1000 || useradd --uid 1000 --gid 1000 --no-create-home \
-        --shell /usr/sbin/nologin kvcr)
-USER 1000:1000
+    && groupadd --gid 10001 kvcr \
+    && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvcr
+USER 10001:10001
 ENTRYPOINT ["python3", "-m", "sglang.launch_server"]

@@ -3,8 +3,8 @@
 # Build from the repository root:
 #   docker build -f deploy/images/vllm.Dockerfile -t kvcr-vllm:0.1.0 .
 # Only kvcr's wheels and the one dependency vLLM does not ship (requirements/vllm-extra.txt)
-# are added; vLLM, torch and their dependencies stay exactly as upstream built them (--no-deps). Runs as uid 1000 (the
-# upstream base may already name it, e.g. Ubuntu 24.04's `ubuntu`; it is reused then).
+# are added; vLLM, torch and their dependencies stay exactly as upstream built them
+# (--no-deps). Runs as uid 10001, which no base image or host account uses.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -19,8 +19,7 @@ COPY deploy/images/requirements/vllm-extra.txt /tmp/requirements.txt
 COPY --from=wheels /wheels /tmp/wheels
 RUN python3 -m pip install --no-cache-dir --no-deps -r /tmp/requirements.txt /tmp/wheels/*.whl \
     && rm -rf /tmp/wheels /tmp/requirements.txt \
-    && (getent group 1000 || groupadd --gid 1000 kvcr) \
-    && (getent passwd 1000 || useradd --uid 1000 --gid 1000 --no-create-home \
-        --shell /usr/sbin/nologin kvcr)
-USER 1000:1000
+    && groupadd --gid 10001 kvcr \
+    && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvcr
+USER 10001:10001
 ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]
