@@ -257,10 +257,17 @@ def test_sglang_command_lines_parse_through_sglang_and_kvcr_sglang(manifests, po
     assert parsed["page_size"] == 64
 
 
-def test_a_wrong_flag_is_caught(manifests, pod_files) -> None:
-    """Risk: the parsing above accepts anything (a check that cannot fail)."""
+def test_a_wrong_or_shortened_flag_is_caught(manifests, pod_files) -> None:
+    """Risk: the parsing above accepts anything (a check that cannot fail), or a shortened
+    flag (argparse's abbreviations) passes here and means something else after an upgrade."""
     (workload,) = manifests.workloads("vllm-guard")
     files = pod_files(workload, manifests.docs["vllm-guard"])
     argv = files.argv(manifests.container(workload, "kvcr-guard"))
+    for wrong in ("--pool-size=1GiB", "--namespace-pool-byte=1GiB"):
+        with pytest.raises(SystemExit):
+            parse_guard([*argv, wrong])
+    router_d = manifests.one("vllm-embedded-peers", "Deployment", "kvcr-router")
+    router_argv = pod_files(router_d, manifests.docs["vllm-embedded-peers"]).argv(
+        manifests.container(router_d, "router"))
     with pytest.raises(SystemExit):
-        parse_guard([*argv, "--pool-size=1GiB"])
+        parse_router([*router_argv, "--tokenize-thread=4"])
