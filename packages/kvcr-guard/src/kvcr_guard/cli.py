@@ -26,8 +26,9 @@ from kvcr_guard.config import DEFAULT_NAMESPACE_IDLE_S, DEFAULT_NAMESPACE_SHARE,
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: a shortened or misspelt flag in a manifest must fail, not pass.
     ap = argparse.ArgumentParser(
-        prog="kvcr-guard", allow_abbrev=False, description="Own the kvcr pool so KV cache outlives engine crashes "
-        "and is shared by every engine on the node.")
+        prog="kvcr-guard", allow_abbrev=False,
+        description="Own the kvcr pool so KV cache outlives engine crashes and is shared by "
+        "every engine on the node.")
     ap.add_argument("--version", action="version", version=f"kvcr-guard {__version__}")
     ap.add_argument("--socket", required=True, help="Unix socket path to serve (mode 0600)")
     ap.add_argument("--pool-bytes", help="total pool size, e.g. 8GiB (default from config)")
