@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
+    _peer_flags(ap)
+    ap.add_argument("--log-level", default=None,
+                    help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
+    return ap
+
+
+def _peer_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-listen", default="",
                     help="serve blocks to authenticated peers on HOST:PORT (default: off)")
     ap.add_argument("--peer", action="append", default=[],
@@ -81,9 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "writes too, so use it only among trusted nodes (docs/peers.md)")
     ap.add_argument("--peer-secret-env", default=DEFAULT_SECRET_ENV,
                     help=f"environment variable holding the secret (default {DEFAULT_SECRET_ENV})")
-    ap.add_argument("--log-level", default=None,
-                    help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
-    return ap
 
 
 def config_from_args(args: argparse.Namespace) -> GuardConfig:
