@@ -204,3 +204,30 @@ def test_a_pod_with_kvcr_services_in_its_namespace_starts(short_tmp, harness,
     assert guard.stop() == 0
     assert "did you mean 'KVCR_POOL_BYTES'" in guard.logs()
     guard.log.close()
+
+
+def _rss_shmem_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise KeyError("RssShmem")
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_prefault_backs_a_namespace_in_the_daemon_before_any_client_writes(
+        short_tmp, harness, prefault: bool) -> None:
+    """Risk: with --prefault the engines still fault in the pool pages (so a Kubernetes memory
+    cgroup charges them, not the guard container that requests the pool's memory); without
+    it the daemon would back pages nobody asked for."""
+    guard = harness.Guard(short_tmp, *(["--prefault"] if prefault else [])).start()
+    assert guard.proc is not None
+    before = _rss_shmem_kib(guard.proc.pid)
+    client = AttachClient(guard.socket, SPEC, BLOCK, identity="prefault")
+    client.attach()
+    backed = _rss_shmem_kib(guard.proc.pid) - before
+    region_kib = client.pool.region.size_bytes // 1024
+    client.close()
+    if prefault:
+        assert backed >= region_kib  # every page of the 8 MiB namespace, in the daemon
+    else:
+        assert backed < region_kib // 8

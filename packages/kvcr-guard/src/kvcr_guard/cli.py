@@ -24,9 +24,11 @@ from kvcr_guard.config import DEFAULT_NAMESPACE_IDLE_S, DEFAULT_NAMESPACE_SHARE,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: a shortened or misspelt flag in a manifest must fail, not pass.
     ap = argparse.ArgumentParser(
-        prog="kvcr-guard", description="Own the kvcr pool so KV cache outlives engine crashes "
-        "and is shared by every engine on the node.")
+        prog="kvcr-guard", allow_abbrev=False,
+        description="Own the kvcr pool so KV cache outlives engine crashes and is shared by "
+        "every engine on the node.")
     ap.add_argument("--version", action="version", version=f"kvcr-guard {__version__}")
     ap.add_argument("--socket", required=True, help="Unix socket path to serve (mode 0600)")
     ap.add_argument("--pool-bytes", help="total pool size, e.g. 8GiB (default from config)")
@@ -57,9 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--namespace-idle-s", type=float, default=DEFAULT_NAMESPACE_IDLE_S,
                     help="a namespace nobody used for this long gives its memory back "
                     f"(default {DEFAULT_NAMESPACE_IDLE_S:g}; 0 = never)")
+    ap.add_argument("--prefault", action="store_true",
+                    help="back each namespace's pool pages when it opens, so they are charged "
+                    "to this daemon's memory cgroup, not to the engines that map them "
+                    "(Kubernetes: request the pool's memory on the daemon's container)")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
+    _peer_flags(ap)
+    ap.add_argument("--log-level", default=None,
+                    help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
+    return ap
+
+
+def _peer_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-listen", default="",
                     help="serve blocks to authenticated peers on HOST:PORT (default: off)")
     ap.add_argument("--peer", action="append", default=[],
@@ -76,9 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "writes too, so use it only among trusted nodes (docs/peers.md)")
     ap.add_argument("--peer-secret-env", default=DEFAULT_SECRET_ENV,
                     help=f"environment variable holding the secret (default {DEFAULT_SECRET_ENV})")
-    ap.add_argument("--log-level", default=None,
-                    help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
-    return ap
 
 
 def _pull_flags(ap: argparse.ArgumentParser) -> None:
@@ -120,7 +130,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         socket_path=args.socket, runner=runner, peer=peer, tenants=_tenants(args.tenant),
         uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
         max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
-        limits=limits, namespace_idle_s=args.namespace_idle_s or None, **extra)
+        limits=limits, namespace_idle_s=args.namespace_idle_s or None, prefault=args.prefault,
+        **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,
                        metrics_port=args.metrics_port)
 

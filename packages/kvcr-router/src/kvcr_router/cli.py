@@ -40,6 +40,7 @@ _WEIGHT_HELP = {
 
 def _serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible front in front of workers",
+                           allow_abbrev=False,  # a shortened flag in a manifest must fail
                            description="Route OpenAI requests to vLLM workers with kvcr hints.")
     rc = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
     add = serve.add_argument

@@ -41,6 +41,11 @@ class ServerConfig:
     limits: ClientLimits = dataclasses.field(default_factory=ClientLimits)
     namespace_idle_s: float | None = None
     """A namespace no client has used for this long gives its memory back (None: never)."""
+    prefault: bool = False
+    """Back every page of a namespace's pool when it opens, before the client that opened it
+    gets its fd: the pages are then charged to this process's memory cgroup, never to the
+    engines that map them (what a Kubernetes memory request on the daemon needs). The first
+    Hello of a namespace waits for it, and so does the server's loop."""
     peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
 
     @property

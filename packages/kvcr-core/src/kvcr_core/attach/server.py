@@ -94,6 +94,7 @@ class AttachServer:
     def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
         self.config = config
         self.limits: ClientLimits = config.limits
+        self.prefault = config.prefault
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = AttachMetrics(self.registry)

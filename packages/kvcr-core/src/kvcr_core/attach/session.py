@@ -94,6 +94,7 @@ class SessionHost(Protocol):
     runner: Runner
     metrics: AttachMetrics
     limits: ClientLimits
+    prefault: bool
 
     def status(self) -> str: ...
 
@@ -171,7 +172,8 @@ class ClientSession:
         if refusal is not None:
             raise SessionClosed(*refusal)
         try:
-            store = self._host.runner.open_namespace(spec, hello.block_bytes)
+            store = self._host.runner.open_namespace(spec, hello.block_bytes,
+                                                     prefault=self._host.prefault)
         except (ConfigError, ValueError) as exc:
             raise SessionClosed(CloseReason.BAD_NAMESPACE, str(exc)) from None
         except CapacityError as exc:
