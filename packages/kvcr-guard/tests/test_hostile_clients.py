@@ -221,7 +221,8 @@ def test_idle_slow_and_half_open_connections_cost_nothing_for_long(guard) -> Non
     for sock in idle:
         with contextlib.suppress(OSError):
             sock.connect(guard.socket)
-    idle[0].sendall(b"\x10\x00")  # half a frame header
+    with contextlib.suppress(OSError):  # on a slow machine the daemon may have closed it
+        idle[0].sendall(b"\x10\x00")  # half a frame header
     legit = AttachClient(guard.socket, SPEC, BLOCK, identity="legit")
     keys = random_keys(2, seed=9)
     legit.store(keys, [pattern_block(k, BLOCK) for k in keys])  # attached clients unaffected
