@@ -45,7 +45,7 @@ from kvcr_core.attach import protocol as p
 from kvcr_core.attach.config import ServerConfig
 from kvcr_core.attach.metrics import AttachMetrics
 from kvcr_core.attach.protocol import CloseReason
-from kvcr_core.attach.session import ClientLimits, ClientSession, SessionClosed
+from kvcr_core.attach.session import ClientSession, SessionClosed
 from kvcr_core.attach.status import status_report
 from kvcr_core.attach.tenancy import Tenancy
 from kvcr_core.keys import NamespaceSpec
@@ -93,8 +93,7 @@ class AttachServer:
 
     def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
         self.config = config
-        self.limits: ClientLimits = config.limits
-        self.prefault = config.prefault
+        self.limits, self.prefault = config.limits, config.prefault
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = AttachMetrics(self.registry)
