@@ -431,8 +431,8 @@ class AttachServer:
         args = (session.owner, session.peer_pid, session.uid,
                 f", {printable(session.identity)}" if was_attached else "", reason.value,
                 printable(detail, 300), aborted, released)
-        if reason in _QUIET:
-            log.info(message, *args)
+        if reason in _QUIET:  # a status probe (`kvcr status`, readiness) is not news
+            log.log(logging.INFO if was_attached else logging.DEBUG, message, *args)
         else:
             self._warn.log(logging.WARNING, reason.value, message, *args)
 
