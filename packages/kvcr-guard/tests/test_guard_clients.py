@@ -249,3 +249,13 @@ def test_status_probes_leave_the_log_alone(guard) -> None:
     logs = guard.logs()
     assert "status served" not in logs
     assert sum("engine-x" in line and "closed" in line for line in logs.splitlines()) == 1
+
+
+def test_the_daemon_says_what_it_is_and_what_it_costs(guard) -> None:
+    """Risk: operators cannot alert on the daemon's memory against its limit or see which
+    version runs where (no process_* or build-info series)."""
+    from kvcr_guard._version import __version__
+
+    assert guard.metric("kvcr_build_info", component="kvcr-guard", version=__version__) == 1
+    assert guard.metric("process_resident_memory_bytes") > 0
+    assert guard.metric("process_open_fds") > 0
