@@ -103,14 +103,17 @@ ROWS = [
     ]),
     Row("Pool", [
         Panel("Pool occupancy",
-              "Slot bytes FILLING or READY over the pool's capacity, per kvcr-guard.",
+              "Slot bytes FILLING or READY over the pool's capacity, per runner and "
+              "namespace (its digest's first 16 hex digits: `kvcr status` names it).",
               "percentunit",
-              [("sum by (instance) (kvcr_pool_used_bytes) / "
-                "sum by (instance) (kvcr_pool_capacity_bytes)", "{{instance}}")]),
+              [("sum by (instance, namespace) (kvcr_pool_used_bytes) / "
+                "sum by (instance, namespace) (kvcr_pool_capacity_bytes)",
+                "{{instance}} {{namespace}}")]),
         Panel("Evictions and refusals",
-              "READY blocks evicted to make room, reservations abandoned, and requests "
-              "refused at a capacity bound (by resource).", "short",
-              [(rate("kvcr_evictions_total"), "{{instance}} evicted"),
+              "READY blocks evicted to make room (per namespace), reservations abandoned, "
+              "and requests refused at a capacity bound (by resource).", "short",
+              [(rate("kvcr_evictions_total", "instance, namespace"),
+                "{{instance}} {{namespace}} evicted"),
                (rate("kvcr_blocks_aborted_total"), "{{instance}} aborted"),
                (rate("kvcr_capacity_refusals_total", "resource"), "refused {{resource}}")]),
         Panel("Pool bytes",

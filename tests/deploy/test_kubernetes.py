@@ -161,4 +161,5 @@ def test_service_monitors_scrape_every_metrics_port_with_the_dashboard_jobs(mani
             (relabel,) = endpoint["relabelings"]
             assert relabel["targetLabel"] == "job"
             jobs[relabel["replacement"]] = endpoint["port"]
-    assert jobs == {"kvcr-guard": "guard-metrics", "kvcr-engine": "http", "kvcr-router": "http"}
+    assert jobs == {"kvcr-guard": "guard-metrics", "kvcr-runner": "runner-metrics",
+                    "kvcr-engine": "http", "kvcr-router": "http"}

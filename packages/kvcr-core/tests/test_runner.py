@@ -78,7 +78,9 @@ def test_pool_budget_is_shared_and_bounded(registry: CollectorRegistry) -> None:
         assert a.pool.capacity_slots == 6 and b.pool.capacity_slots == 4
         with pytest.raises(CapacityError, match="raise pool_bytes"):
             runner.open_namespace(NamespaceDigest(b"c" * 16), BLOCK)
-        assert sample(registry, "kvcr_pool_capacity_bytes") == 10 * BLOCK
+        for digest, slots in ((b"a" * 16, 6), (b"b" * 16, 4)):  # per namespace, bounded labels
+            assert sample(registry, "kvcr_pool_capacity_bytes",
+                          namespace=digest.hex()[:16]) == slots * BLOCK
 
 
 def test_metrics_move_with_operations(runner: Runner, registry: CollectorRegistry) -> None:
@@ -100,9 +102,10 @@ def test_metrics_move_with_operations(runner: Runner, registry: CollectorRegistr
     assert sample(registry, "kvcr_stored_bytes_total") == 3 * BLOCK
     assert sample(registry, "kvcr_blocks_loaded_total") == 3
     assert sample(registry, "kvcr_loaded_bytes_total") == 3 * BLOCK
-    assert sample(registry, "kvcr_evictions_total") == 1
+    ns = SPEC.digest().hex()[:16]
+    assert sample(registry, "kvcr_evictions_total", namespace=ns) == 1
     assert sample(registry, "kvcr_capacity_refusals_total", resource="slots") == 2
-    assert sample(registry, "kvcr_pool_used_bytes") == 2 * BLOCK
+    assert sample(registry, "kvcr_pool_used_bytes", namespace=ns) == 2 * BLOCK
     assert sample(registry, "kvcr_index_operation_seconds_count", op="reserve") == 3
     assert sample(registry, "kvcr_index_operation_seconds_count", op="lookup") == 1
 

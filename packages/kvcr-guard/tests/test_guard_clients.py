@@ -231,3 +231,31 @@ def test_prefault_backs_a_namespace_in_the_daemon_before_any_client_writes(
         assert backed >= region_kib  # every page of the 8 MiB namespace, in the daemon
     else:
         assert backed < region_kib // 8
+
+
+def test_status_probes_leave_the_log_alone(guard) -> None:
+    """Risk: a readiness probe running `kvcr status` every 10 s writes a log line each time
+    and buries what matters; an engine's departure must still be logged."""
+    kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
+    for _ in range(5):
+        subprocess.run([kvcr, "status", "--socket", guard.socket, "--json"],
+                       capture_output=True, text=True, timeout=30, check=True)
+    client = AttachClient(guard.socket, SPEC, BLOCK, identity="engine-x")
+    client.lookup(keys_for(1, 1))
+    client.close()
+    deadline = time.monotonic() + 10
+    while "engine-x" not in guard.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    logs = guard.logs()
+    assert "status served" not in logs
+    assert sum("engine-x" in line and "closed" in line for line in logs.splitlines()) == 1
+
+
+def test_the_daemon_says_what_it_is_and_what_it_costs(guard) -> None:
+    """Risk: operators cannot alert on the daemon's memory against its limit or see which
+    version runs where (no process_* or build-info series)."""
+    from kvcr_guard._version import __version__
+
+    assert guard.metric("kvcr_build_info", component="kvcr-guard", version=__version__) == 1
+    assert guard.metric("process_resident_memory_bytes") > 0
+    assert guard.metric("process_open_fds") > 0

@@ -168,3 +168,37 @@ def test_shipped_example_config_is_valid() -> None:
     cfg = config_from_args(build_parser().parse_args(["serve", "--config", str(example)]))
     assert [w.kv_events for w in cfg.workers] == ["tcp://10.0.0.1:5557", "tcp://10.0.0.2:5557"]
     assert cfg.weights == CostWeights() and cfg.block_size == 16
+
+
+def test_a_served_router_exports_process_and_build_info() -> None:
+    """Risk: the router's /metrics says nothing of the process (memory, CPU, open files) or
+    the version running, so it cannot be alerted on like the rest of the fleet."""
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    from kvcr_router._version import __version__
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcr_router", "serve", "--listen", f"127.0.0.1:{port}",
+         "--worker", "a=http://127.0.0.1:9", "--namespace-digest", "ab" * 16,
+         "--block-size", "16"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=5).read().decode()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+                time.sleep(0.2)
+        assert f'kvcr_build_info{{component="kvcr-router",version="{__version__}"}} 1.0' in text
+        assert "process_resident_memory_bytes" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -173,3 +173,45 @@ def test_hint_fetches_from_the_named_peer_and_recomputes_when_it_is_gone(
     assert c["metrics"]["vllm:external_prefix_cache_hits"] == 0
     assert c["metrics"]["vllm:kvcr_failures{reason=peer_fetch}"] >= 1
     assert c["seconds"] < 30
+
+
+def test_an_embedded_engine_is_observable_like_the_daemon(start_engine) -> None:
+    """Risk: in the default (embedded) mode the Runner's metrics are served nowhere and
+    `kvcr status` cannot reach it, so an operator sees nothing of the pool a vLLM engine
+    runs; and kvcr's log lines do not reach vLLM's log."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = start_engine("plugin", [{"tokens": PROMPT[:1000]}],
+                          {"metrics_listen": f"127.0.0.1:{port}"}, hold=True)
+    try:
+        assert engine.stdout is not None
+        lines = []
+        for line in engine.stdout:
+            lines.append(line)
+            if '"holding"' in line:
+                break
+        logged = [line for line in lines if "kvcr embedded runner serving" in line]
+        assert logged and "INFO" in logged[0]  # through vLLM's handler: its level, its format
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                      timeout=10).read().decode()
+        stored = [line for line in text.splitlines()
+                  if line.startswith("kvcr_blocks_stored_total ")]
+        assert stored and float(stored[0].split()[-1]) >= 1000 // 32 - 1
+        assert 'kvcr_build_info{component="kvcr-embedded"' in text
+        kvcr = str(Path(sys.executable).parent / "kvcr")
+        out = subprocess.run([kvcr, "status", "--embedded", "vllm-worker", "--json"],
+                             capture_output=True, text=True, timeout=30, check=False)
+        assert out.returncode == 0, out.stderr
+        (report,) = [r for r in json.loads(out.stdout)
+                     if any(i.startswith("vllm-worker") for i in r["identities"])]
+        assert report["namespaces"][0]["ready_blocks"] >= 1000 // 32 - 1
+    finally:
+        engine.kill()
+        engine.wait(timeout=30)

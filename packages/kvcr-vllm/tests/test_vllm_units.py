@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from kvcr_core.attach import Mode
@@ -114,3 +116,52 @@ def test_shipped_examples_are_valid_connector_configs() -> None:
         assert config["kv_connector"] == "KVCRConnector"
         settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"], "e")
         assert settings.mode in (Mode.EMBEDDED, Mode.GUARDED)
+
+
+def _in_fresh_vllm(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, **env})
+
+
+def test_an_unsupported_vllm_gets_the_clear_error_not_an_unknown_connector() -> None:
+    """Risk: under another vLLM version the plugin registered nothing, so vLLM failed with
+    "unknown connector" and no hint why; and raising in the plugin would break every vLLM
+    start on a machine where kvcr-vllm is merely installed."""
+    pytest.importorskip("vllm", reason="registration needs vLLM's factory")
+    out = _in_fresh_vllm(
+        "import vllm; vllm.__version__ = '0.99.1'\n"
+        "from kvcr_vllm import plugin; plugin.register()\n"
+        "from vllm.config import KVTransferConfig\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "cls = KVConnectorFactory.get_connector_class(\n"
+        "    KVTransferConfig(kv_connector='KVCRConnector', kv_role='kv_both'))\n"
+        "print('registered', cls.__module__)\n"
+        "cls(None, None, None)\n")
+    assert "registered kvcr_vllm.unsupported" in out.stdout, out.stderr[-2000:]
+    assert out.returncode != 0
+    assert "supports vLLM 0.32.x; this is vLLM 0.99.1" in out.stderr
+
+
+@pytest.mark.parametrize("level, shown", [("INFO", True), ("WARNING", False)])
+def test_kvcr_log_lines_go_through_vllms_handler_at_its_level(level: str, shown: bool) -> None:
+    """Risk: kvcr's INFO lines vanish in a vLLM server and its warnings print without time
+    or level (its loggers are not under vLLM's), so operators cannot follow what it does."""
+    pytest.importorskip("vllm", reason="vLLM's logging configuration")
+    out = _in_fresh_vllm(
+        "import logging, vllm\n"
+        "from kvcr_vllm import plugin; plugin.register()  # as vLLM loads plugins, then:\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "configure_logging(LoggingConfig())  # what vLLM's launchers and engine core do\n"
+        "logging.getLogger('kvcr_vllm.scheduler').info('kvcr-info-line')\n"
+        "logging.getLogger('kvcr_core.attach').warning('kvcr-warning-line')\n",
+        VLLM_LOGGING_LEVEL=level)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = (out.stdout + out.stderr).splitlines()
+    warning = [line for line in lines if "kvcr-warning-line" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0]
+    assert any(ch.isdigit() for ch in warning[0].split("WARNING")[1][:12])  # vLLM's time
+    assert any("kvcr-info-line" in line and "INFO" in line for line in lines) is shown

@@ -13,6 +13,7 @@ Threading: every recording method is thread-safe; scrapes read a consistent snap
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -108,6 +109,17 @@ class LightMetrics(Collector):
         return family
 
 
+@dataclasses.dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace's pool at scrape time; `namespace` is the first 16 hex digits of its
+    digest (`kvcr status` shows the rest: model, block size...)."""
+
+    namespace: str
+    used_bytes: int
+    capacity_bytes: int
+    evictions: int
+
+
 class RunnerMetrics(LightMetrics):
     """All `kvcr_*` collectors of one Runner. Create one per registry."""
 
@@ -115,12 +127,11 @@ class RunnerMetrics(LightMetrics):
         super().__init__(registry)
         self.lookups = self.lookup_hit_blocks = self.lookup_miss_blocks = 0
         self.blocks_stored = self.bytes_stored = self.blocks_loaded = self.bytes_loaded = 0
-        self.blocks_aborted = self.evictions = 0
+        self.blocks_aborted = 0
         self.refusals = {r.value: 0 for r in CapacityResource}
         self.hints = dict.fromkeys(HINT_OUTCOMES, 0)
         self.op_seconds = {op.value: LightHistogram(OP_BUCKETS_S) for op in IndexOp}
-        self._pool_used: Callable[[], float] = lambda: 0.0
-        self._pool_capacity: Callable[[], float] = lambda: 0.0
+        self._namespaces: Callable[[], list[NamespaceUsage]] = list
         self._board: HintBoard | None = None
         self.register()
 
@@ -133,11 +144,9 @@ class RunnerMetrics(LightMetrics):
             self.lookup_hit_blocks += hit
             self.lookup_miss_blocks += miss
 
-    def on_reserve(self, seconds: float, evicted: int, refused: int,
-                   resource: CapacityResource) -> None:
+    def on_reserve(self, seconds: float, refused: int, resource: CapacityResource) -> None:
         with self.lock:
             self.op_seconds["reserve"].observe(seconds)
-            self.evictions += evicted
             if refused:
                 self.refusals[resource.value] += refused
 
@@ -177,9 +186,27 @@ class RunnerMetrics(LightMetrics):
             if outcome in self.hints:
                 self.hints[outcome] += 1
 
-    def bind_pool_gauges(self, used: Callable[[], float], capacity: Callable[[], float]) -> None:
-        """Gauges read live from the runner at scrape time (no bookkeeping on hot paths)."""
-        self._pool_used, self._pool_capacity = used, capacity
+    def bind_pool_gauges(self, namespaces: Callable[[], list[NamespaceUsage]]) -> None:
+        """Per-namespace pool figures, read live from the runner at scrape time (no
+        bookkeeping on hot paths)."""
+        self._namespaces = namespaces
+
+    def _namespace_families(self) -> Iterator[Metric]:
+        label = ["namespace"]
+        used = GaugeMetricFamily("kvcr_pool_used_bytes",
+                                 "Bytes of pool slots in use (FILLING or READY), per namespace",
+                                 labels=label)
+        capacity = GaugeMetricFamily("kvcr_pool_capacity_bytes",
+                                     "Bytes of pool slots, per namespace", labels=label)
+        evictions = CounterMetricFamily("kvcr_evictions", "READY blocks evicted to make room, "
+                                        "per namespace", labels=label)
+        for usage in self._namespaces():
+            used.add_metric([usage.namespace], usage.used_bytes)
+            capacity.add_metric([usage.namespace], usage.capacity_bytes)
+            evictions.add_metric([usage.namespace], usage.evictions)
+        yield used
+        yield capacity
+        yield evictions
 
     def bind_hint_board(self, board: HintBoard) -> None:
         self._board = board
@@ -202,7 +229,6 @@ class RunnerMetrics(LightMetrics):
                     self.bytes_loaded)
             yield c("kvcr_blocks_aborted_total", "Reserved blocks abandoned before commit",
                     self.blocks_aborted)
-            yield c("kvcr_evictions_total", "READY blocks evicted to make room", self.evictions)
             yield self.labelled("kvcr_capacity_refusals_total",
                                 "Requests refused because a bound was reached", "resource",
                                 dict(self.refusals))
@@ -212,11 +238,7 @@ class RunnerMetrics(LightMetrics):
             yield self.histograms("kvcr_index_operation_seconds",
                                   "Latency of index operations (whole batch)", "op",
                                   self.op_seconds)
-        yield GaugeMetricFamily("kvcr_pool_used_bytes",
-                                "Bytes of pool slots in use (FILLING or READY)",
-                                value=self._pool_used())
-        yield GaugeMetricFamily("kvcr_pool_capacity_bytes", "Bytes of pool slots in all namespaces",
-                                value=self._pool_capacity())
+        yield from self._namespace_families()
         board = self._board
         if board is not None:
             yield GaugeMetricFamily("kvcr_hint_board_hashes",

@@ -30,7 +30,7 @@ from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.inventory import InventoryLog
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
-from kvcr_core.metrics import CapacityResource, RunnerMetrics
+from kvcr_core.metrics import CapacityResource, NamespaceUsage, RunnerMetrics
 from kvcr_core.types import LOCAL_OWNER, BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
 
 _REGION_KIND = {MemoryBacking.MEMFD: RegionKind.MEMFD,
@@ -76,12 +76,10 @@ class NamespaceStore:
         start = self._clock()
         with self.lock:
             index = self.index
-            evicted_before = index.evictions
             table_full = index.open_reservations >= index.max_reservations
             res = index.reserve(keys, owner, limit=limit)
-            evicted = index.evictions - evicted_before
         self._metrics.on_reserve(
-            self._clock() - start, evicted, res.refused,
+            self._clock() - start, res.refused,
             CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS)
         return res
 
@@ -199,7 +197,7 @@ class Runner:
         self.inventory = InventoryLog()
         self._lock = threading.Lock()
         self._closed = False
-        self.metrics.bind_pool_gauges(self._used_bytes, self._capacity_bytes)
+        self.metrics.bind_pool_gauges(self._usage)
         self.metrics.bind_hint_board(self.hint_board)
 
     def post_hint(self, raw: object) -> int:
@@ -273,13 +271,10 @@ class Runner:
     def namespaces(self) -> tuple[NamespaceDigest, ...]:
         return tuple(self._stores)
 
-    def _used_bytes(self) -> float:
-        return float(sum(s.index.used_slots * s.pool.stride_bytes
-                         for s in list(self._stores.values())))
-
-    def _capacity_bytes(self) -> float:
-        return float(sum(s.pool.capacity_slots * s.pool.stride_bytes
-                         for s in list(self._stores.values())))
+    def _usage(self) -> list[NamespaceUsage]:
+        return [NamespaceUsage(s.digest.hex()[:16], s.index.used_slots * s.pool.stride_bytes,
+                               s.pool.capacity_slots * s.pool.stride_bytes, s.index.evictions)
+                for s in list(self._stores.values())]
 
     def close(self) -> None:
         with self._lock:

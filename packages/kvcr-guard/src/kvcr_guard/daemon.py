@@ -11,9 +11,10 @@ import logging
 import signal
 import threading
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from kvcr_core.attach import AttachServer
+from kvcr_core.exposition import process_metrics, serve_metrics
 from kvcr_guard._version import __version__
 from kvcr_guard.config import GuardConfig
 
@@ -25,15 +26,15 @@ class GuardDaemon:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.server = AttachServer(config.server, registry=self.registry)
+        process_metrics(self.registry, "kvcr-guard", __version__)
         self.metrics_port: int | None = None
 
     def listen(self) -> None:
         """Binds the socket, the peer port and the metrics port (raises on failure)."""
         self.server.listen()
         if self.config.metrics_port is not None:
-            http, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
-                                        registry=self.registry)
-            self.metrics_port = http.server_address[1]
+            self.metrics_port = serve_metrics(self.registry, self.config.metrics_host,
+                                              self.config.metrics_port)
         log.info("kvcr-guard %s ready (metrics %s)", __version__,
                  f"{self.config.metrics_host}:{self.metrics_port}" if self.metrics_port
                  else "off")

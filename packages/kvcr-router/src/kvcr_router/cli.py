@@ -125,6 +125,7 @@ def serve(config: RouterConfig) -> int:
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
+    from kvcr_core.exposition import process_metrics
     from kvcr_core.peers import PeerSecret
     from kvcr_router.front import Router
     from kvcr_router.hashing import HfTokenizer, PromptHasher
@@ -135,7 +136,9 @@ def serve(config: RouterConfig) -> int:
                   else PeerSecret.from_env(config.peer_secret_env))
     tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else None
     hasher = PromptHasher(config.namespace_digest, config.block_size, tokenizer)
-    router = Router(config, hasher, CollectorRegistry(), secret=secret)
+    registry = CollectorRegistry()
+    process_metrics(registry, "kvcr-router", __version__)
+    router = Router(config, hasher, registry, secret=secret)
     log.info("kvcr-router %s on http://%s:%d: workers %s, namespace %s, block size %d",
              __version__, config.listen_host, config.listen_port,
              ", ".join(w.name for w in config.workers), config.namespace_digest.hex(),

@@ -115,7 +115,8 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
             runner = dataclasses.replace(runner, namespace_pool_bytes=runner.pool_bytes * 7 // 8)
             log.info("kvcr: side pools %s: KV takes 7/8 of the embedded pool",
                      ", ".join(map(str, side)))
-        self.embedded = EmbeddedRunner(self.settings, runner=runner)
+        self.embedded = EmbeddedRunner(self.settings, runner=runner,
+                                       metrics_offset=self.storage_config.tp_rank)
 
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:

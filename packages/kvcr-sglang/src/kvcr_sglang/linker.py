@@ -87,7 +87,7 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         spec = self._namespace(kvcache, params, replicated, tp_rank, tp_size)
         self.embedded: EmbeddedRunner | None = None
         if self.settings.mode is Mode.EMBEDDED:
-            self.embedded = EmbeddedRunner(self.settings)
+            self.embedded = EmbeddedRunner(self.settings, metrics_offset=tp_rank)
         self.store = PageStore(self.settings, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}")
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)

@@ -24,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvcr_core.attach import Mode
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
+from kvcr_vllm.plugin import follow_vllm_logging
 from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
@@ -63,6 +64,7 @@ class KVCRConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_vllm_version()
+        follow_vllm_logging()  # also when loaded by kv_connector_module_path, not the plugin
         transfer = self._kv_transfer_config
         engine_id = str(transfer.engine_id or "kvcr")
         self.settings = ConnectorSettings.from_extra_config(

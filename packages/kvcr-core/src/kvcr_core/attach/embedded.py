@@ -6,7 +6,9 @@ It is served to this engine's workers exactly as kvcr-guard serves engines (the 
 run one code path; with `peer.listen` it also serves other nodes, and with `peer.peers` it
 fetches hinted blocks from them (the attach protocol's fetch tickets). The default socket is a
 Linux abstract one (no file; only this uid may attach), so nothing is left behind even when
-the engine is killed.
+the engine is killed. With `metrics_listen` the Runner's registry (`kvcr_*`, `kvcr_peer_*`,
+`kvcr_pull_*`, the process's own series) is served on that port (plus `metrics_offset`, for
+engines that run one Runner per rank); a port that cannot be bound is logged, never fatal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvcr_core.attach.config import ServerConfig
 from kvcr_core.attach.server import AttachServer
 from kvcr_core.attach.settings import EngineSettings
 from kvcr_core.config import KVCRConfig
+from kvcr_core.exposition import process_metrics, serve_metrics
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -28,7 +31,8 @@ log = logging.getLogger("kvcr_core.attach")
 class EmbeddedRunner:
     """Starts serving at construction; `stop` (also at interpreter exit) ends it."""
 
-    def __init__(self, settings: EngineSettings, *, runner: KVCRConfig | None = None) -> None:
+    def __init__(self, settings: EngineSettings, *, runner: KVCRConfig | None = None,
+                 metrics_offset: int = 0) -> None:
         """`runner` overrides `settings.runner` (an adapter that sizes the pool itself)."""
         self.socket_path = settings.socket
         config = runner if runner is not None else settings.runner
@@ -39,8 +43,24 @@ class EmbeddedRunner:
                                         daemon=True)
         self._thread.start()
         atexit.register(self.stop)
+        self.metrics_port: int | None = None
+        if settings.metrics_listen is not None:
+            self._serve_metrics(*settings.metrics_listen, metrics_offset)
         log.info("kvcr embedded runner serving %s (pool %d bytes)",
                  settings.socket.replace("\0", "@"), config.pool_bytes)
+
+    def _serve_metrics(self, host: str, port: int, offset: int) -> None:
+        registry = self.server.registry
+        process_metrics(registry, "kvcr-embedded")
+        want = port + offset if port else 0
+        try:
+            self.metrics_port = serve_metrics(registry, host, want)
+        except OSError as exc:
+            log.warning("kvcr embedded runner: cannot serve metrics on %s:%d (%s); running "
+                        "without", host, want, exc)
+            return
+        log.info("kvcr embedded runner metrics on http://%s:%d/metrics", host,
+                 self.metrics_port)
 
     @property
     def peer_endpoint(self) -> str | None:

@@ -198,8 +198,8 @@ class AttachServer:
     def status(self) -> str:
         return status_report(
             self.runner, socket_path=self.config.socket_path, started_s=self._started,
-            attached=[c.session.store.digest if c.session.store else None
-                      for c in self._conns.values()],
+            attached=[(c.session.store.digest, c.session.identity)
+                      for c in self._conns.values() if c.session.store is not None],
             peer_endpoint=self.peer_server.endpoint if self.peer_server else None)
 
     def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None:
@@ -431,8 +431,8 @@ class AttachServer:
         args = (session.owner, session.peer_pid, session.uid,
                 f", {printable(session.identity)}" if was_attached else "", reason.value,
                 printable(detail, 300), aborted, released)
-        if reason in _QUIET:
-            log.info(message, *args)
+        if reason in _QUIET:  # a status probe (`kvcr status`, readiness) is not news
+            log.log(logging.INFO if was_attached else logging.DEBUG, message, *args)
         else:
             self._warn.log(logging.WARNING, reason.value, message, *args)
 

@@ -28,7 +28,7 @@ from kvcr_core.peers import PeerSecret, PeerTLS
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
-                         "pull_min_blocks", "peer_feed_max_blocks"})
+                         "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen"})
 DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
@@ -147,6 +147,8 @@ class EngineSettings:
     timeout_s: float = 2.0
     identity: str = ""
     peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
+    metrics_listen: tuple[str, int] | None = None
+    """Embedded mode: serve the Runner's metrics (`kvcr_*`, `kvcr_peer_*`, process) here."""
 
     @staticmethod
     def fields_from(extra: Mapping[str, Any], *, field: str,
@@ -173,13 +175,28 @@ class EngineSettings:
         identity = extra.get("identity", "")
         if not isinstance(identity, str):
             raise ConfigError(f"{field}.identity", identity, "give a string")
+        metrics = _listen(f"{field}.metrics_listen", extra.get("metrics_listen"))
+        if mode is Mode.GUARDED and metrics is not None:
+            raise ConfigError(f"{field}.metrics_listen", extra["metrics_listen"],
+                              "in guarded mode kvcr-guard serves the metrics: use its "
+                              "--metrics-host/--metrics-port")
         # In guarded mode the daemon dials (and must list the same peers with --peer); the
         # engine only filters hints, so it needs no secret.
         peer = PeerConfig.from_mapping(extra, field=field, load_secret=mode is Mode.EMBEDDED)
         return {"mode": mode, "socket": socket_path or default_socket,
                 "runner": _runner_config(extra, field),
                 "timeout_s": _seconds(f"{field}.timeout_s", extra.get("timeout_s", 2.0)),
-                "identity": identity, "peer": peer}
+                "identity": identity, "peer": peer, "metrics_listen": metrics}
+
+
+def _listen(field: str, value: object) -> tuple[str, int] | None:
+    """"HOST:PORT" (None: not set); port 0 picks a free one."""
+    if value is None or value == "":
+        return None
+    host, _, port = str(value).rpartition(":")
+    if not isinstance(value, str) or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(field, value, 'give "HOST:PORT", e.g. "0.0.0.0:9750" (port 0 = any)')
+    return host.strip("[]"), int(port)
 
 
 def _runner_config(extra: Mapping[str, Any], field: str) -> KVCRConfig:

@@ -49,8 +49,13 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", help="write it to this new file (mode 0600) instead of "
                           "printing it")
 
-    status = sub.add_parser("status", help="print the state of a kvcr-guard pool")
-    status.add_argument("--socket", required=True, help="the kvcr-guard socket path")
+    status = sub.add_parser("status", help="print the state of a kvcr runner's pool")
+    target = status.add_mutually_exclusive_group(required=True)
+    target.add_argument("--socket", help="the kvcr-guard socket path, or @NAME for an embedded "
+                       "runner's abstract socket")
+    target.add_argument("--embedded", nargs="?", const="", metavar="MATCH",
+                       help="every embedded runner in this network namespace (or those whose "
+                       "socket or attached engine identity contains MATCH)")
     status.add_argument("--json", action="store_true", help="print JSON")
 
     keys = sub.add_parser("keys", help="print block keys and router hashes of a token list")
@@ -101,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "status":
         from kvcr_core.cli.status_cmd import run_status
 
-        return run_status(args.socket, as_json=args.json)
+        return run_status(args.socket, as_json=args.json, embedded=args.embedded)
     if args.command == "keys":
         from kvcr_core.cli.keys_cmd import run_keys
 

@@ -1,0 +1,122 @@
+"""What an operator scrapes and asks: an embedded Runner's metrics on a port of its own,
+process and build-info series, and `kvcr status` reaching embedded runners by their
+abstract socket. Real runners, real HTTP, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvcr_core.attach import AttachClient, EmbeddedRunner, EngineSettings
+from kvcr_core.cli.status_cmd import embedded_sockets
+from kvcr_core.errors import ConfigError
+from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.testing import pattern_block
+
+BLOCK = 8192
+SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
+                     num_layers=2, num_kv_heads=2, head_dim=64, layout="test/expo")
+KVCR = str(Path(sys.executable).parent / "kvcr")
+
+
+def embedded(name: str, **extra: object) -> EmbeddedRunner:
+    fields = EngineSettings.fields_from({"pool_bytes": 64 * BLOCK, **extra}, field="cfg",
+                                        default_socket=f"\0kvcr-embedded-{name}-{os.getpid()}")
+    return EmbeddedRunner(EngineSettings(**fields))
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def test_an_embedded_runner_serves_its_metrics_on_its_own_port() -> None:
+    """Risk: in embedded mode (the default) the Runner's kvcr_* and kvcr_peer_* series are
+    served nowhere, so operators see nothing of the pool; or a taken port stops the engine."""
+    runner = embedded("expo", metrics_listen="127.0.0.1:0")
+    client = AttachClient(runner.socket_path, SPEC, BLOCK, identity="engine-one")
+    keys = list(block_keys(SPEC.digest(), list(range(16)), 4))
+    client.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    try:
+        assert runner.metrics_port is not None
+        text = scrape(runner.metrics_port)
+        ns = SPEC.digest().hex()[:16]
+        assert f'kvcr_pool_used_bytes{{namespace="{ns}"}} {float(4 * BLOCK)}' in text
+        assert "kvcr_blocks_stored_total 4.0" in text
+        assert 'kvcr_build_info{component="kvcr-embedded"' in text
+        assert "process_resident_memory_bytes" in text and "kvcr_guard_clients 1.0" in text
+        taken = embedded("expo2", metrics_listen=f"127.0.0.1:{runner.metrics_port}")
+        assert taken.metrics_port is None  # logged, not fatal
+        other = AttachClient(taken.socket_path, SPEC, BLOCK)
+        assert other.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 4
+        other.close()
+        taken.stop()
+    finally:
+        client.close()
+        runner.stop()
+
+
+def test_metrics_listen_is_checked_and_guarded_mode_points_at_the_daemon() -> None:
+    """Risk: a typo'd metrics address is ignored (no metrics, no error), or guarded engines
+    believe they export what only the daemon can."""
+    for bad in ("9750", "host:port", ":99999"):
+        with pytest.raises(ConfigError, match="metrics_listen"):
+            EngineSettings.fields_from({"metrics_listen": bad}, field="cfg", default_socket="x")
+    with pytest.raises(ConfigError, match="--metrics-port"):
+        EngineSettings.fields_from({"mode": "guarded", "socket": "/g.sock",
+                                    "metrics_listen": "0.0.0.0:9750"}, field="cfg",
+                                   default_socket="x")
+
+
+def test_kvcr_status_finds_embedded_runners_by_socket_or_identity() -> None:
+    """Risk: `kvcr status` reaches only kvcr-guard, so an operator cannot look into the
+    default (embedded) deployment at all."""
+    runner = embedded("statusme")
+    client = AttachClient(runner.socket_path, SPEC, BLOCK, identity="vllm-worker-abc-tp0")
+    client.lookup(list(block_keys(SPEC.digest(), list(range(4)), 4)))
+    try:
+        name = "@" + runner.socket_path[1:]
+        assert name in embedded_sockets()
+        for args in (["--socket", name], ["--embedded", "worker-abc"]):
+            out = subprocess.run([KVCR, "status", *args, "--json"], capture_output=True,
+                                 text=True, timeout=30, check=False)
+            assert out.returncode == 0, out.stderr
+            report = json.loads(out.stdout)
+            report = report if isinstance(report, dict) else report[0]
+            assert report["socket"] == name
+            assert report["identities"] == ["vllm-worker-abc-tp0"]
+            assert report["namespaces"][0]["namespace"] == SPEC.digest().hex()
+        table = subprocess.run([KVCR, "status", "--embedded"], capture_output=True, text=True,
+                               timeout=30, check=True).stdout
+        assert name in table and "vllm-worker-abc-tp0" in table
+        missing = subprocess.run([KVCR, "status", "--embedded", "no-such-engine"],
+                                 capture_output=True, text=True, timeout=30, check=False)
+        assert missing.returncode == 1 and "no embedded runner matches" in missing.stderr
+    finally:
+        client.close()
+        runner.stop()
+
+
+def test_the_socket_table_lists_only_listening_kvcr_runners(tmp_path: Path) -> None:
+    """Risk: status probes sockets that are not kvcr's, or connected (not listening) ones."""
+    table = tmp_path / "unix"
+    table.write_text(
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0: 00000002 00000000 00010000 0001 01 1 @kvcr-embedded-a\n"
+        "0: 00000003 00000000 00000000 0001 03 2 @kvcr-embedded-a\n"
+        "0: 00000002 00000000 00010000 0001 01 3 @other\n"
+        "0: 00000002 00000000 00010000 0001 01 4 /run/kvcr/guard.sock\n"
+        "0: 00000002 00000000 00010000 0001 01 5 @kvcr-sglang-77\n")
+    assert embedded_sockets(str(table)) == ["@kvcr-embedded-a", "@kvcr-sglang-77"]
+
+
+def test_port_zero_picks_any_free_port() -> None:
+    """Risk: port 0 (any free port: tests, several engines on one node) is refused."""
+    fields = EngineSettings.fields_from({"metrics_listen": "127.0.0.1:0"}, field="cfg",
+                                        default_socket="x")
+    assert fields["metrics_listen"] == ("127.0.0.1", 0)
