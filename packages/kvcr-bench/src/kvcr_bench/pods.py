@@ -20,6 +20,7 @@ the host (such as /models) and removes them when the pod closes."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shlex
@@ -139,7 +140,7 @@ class Pod:
                          if c.get("restartPolicy") == "Always"]
         policy = spec.get("restartPolicy", "Always")
         self.main = [self._container(c, policy == "Always", adapt) for c in spec["containers"]]
-        self._made: list[Path] = []
+        self._mounts_lock = _MountPoints.share()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
@@ -208,7 +209,7 @@ class Pod:
         missing = [p for p in (target, *target.parents) if not p.exists()]
         for folder in reversed(missing):
             folder.mkdir()
-            self._made.append(folder)
+            _MountPoints.record(folder)
 
     # -- running --------------------------------------------------------------------------
 
@@ -352,9 +353,43 @@ class Pod:
         _stop_all(self.main)
         for sidecar in reversed(self.sidecars):
             _stop_all([sidecar])
-        for folder in reversed(self._made):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        _MountPoints.release(self._mounts_lock)
+
+
+class _MountPoints:
+    """Mount points made on the host for containers (such as /models), shared by every pod
+    of every process on this machine: each pod holds a shared lock on a host-wide file while
+    it lives, and the last one to close (the one that gets the lock exclusively) removes the
+    folders recorded as made, so a pod never loses a mount point another one still uses."""
+
+    LOCK = Path("/tmp/kvcr-pods.lock")
+    MADE = Path("/tmp/kvcr-pods.made")
+
+    @classmethod
+    def share(cls) -> int:
+        fd = os.open(cls.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    @classmethod
+    def record(cls, folder: Path) -> None:
+        with open(cls.MADE, "a") as made:
+            made.write(f"{folder}\n")
+
+    @classmethod
+    def release(cls, fd: int) -> None:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another pod still runs; the last one cleans up
+            if cls.MADE.exists():
+                for line in reversed(cls.MADE.read_text().splitlines()):
+                    with contextlib.suppress(OSError):
+                        Path(line).rmdir()
+                cls.MADE.unlink()
+        finally:
+            os.close(fd)
 
 
 def _stop_all(containers: Sequence[Container], grace_s: float = 20) -> None:
