@@ -74,6 +74,16 @@ def test_peer_settings_are_normalised_and_a_serving_runner_needs_the_secret(
     assert embedded["peer"].secret is not None and embedded["socket"] == "\0x"
 
 
+def test_a_served_runner_refuses_anonymous_memory_at_start() -> None:
+    """Risk: `memory_backing: anonymous` is accepted by kvcr-guard or an embedded runner, which
+    then fails every engine's attach (an anonymous pool has no descriptor to hand out) with
+    an internal error instead of one clear error at start."""
+    with pytest.raises(ConfigError, match="memfd") as err:
+        ServerConfig(socket_path="\0kvcr-test", runner=KVCRConfig(memory_backing="anonymous"))
+    assert err.value.field == "memory_backing"
+    assert ServerConfig(socket_path="\0kvcr-test").runner.memory_backing.value == "memfd"
+
+
 @pytest.fixture
 def source() -> Iterator[tuple[PeerServer, list[bytes]]]:
     """Another node: a Runner holding 8 blocks of SPEC, serving peers on loopback TCP."""

@@ -53,7 +53,8 @@ _SIZE_UNITS = "units KiB, MiB, GiB, TiB (x1024) or KB, MB, GB, TB (x1000)"
 
 
 class MemoryBacking(enum.Enum):
-    """Where pool pages come from: a sealed memfd (shareable by fd) or anonymous mmap."""
+    """Where pool pages come from: a memfd sealed against resizing (shareable by fd: what
+    kvcr-guard and embedded runners need) or anonymous mmap (in-process Runners only)."""
 
     MEMFD = "memfd"
     ANONYMOUS = "anonymous"
@@ -78,7 +79,7 @@ class KVCRConfig:
     max_hint_actions: int = 64
     """Actions accepted in one KV hint (1..64)."""
     max_hint_hashes: int = 65536
-    """Block hashes accepted in one KV hint, all actions together."""
+    """Entries accepted in one fetch action's `block_hashes` (each action on its own)."""
     max_hint_bytes: int = 1 << 20
     """Largest encoded KV hint accepted."""
     router_hash_scheme: str = "kvcr-v1"

@@ -1,6 +1,8 @@
 """`ServerConfig`: what an attach server needs (the socket, the Runner's config, who may attach
 and open which namespaces, per-client bounds, the peer settings), frozen and validated once.
 kvcr-guard builds it from its flags; embedded mode from the engine's settings.
+The pool must be memfd memory (engines map it by descriptor): `memory_backing: anonymous` is
+a ConfigError here, at start, rather than a failure of every attach.
 
 Access policy: a client connects only with a uid in `allowed_uids`; it opens a namespace of
 tenant T (`NamespaceSpec.tenant`) only if `tenants` does not name T or names its uid; one uid
@@ -20,7 +22,7 @@ from collections.abc import Mapping
 
 from kvcr_core.attach.session import ClientLimits
 from kvcr_core.attach.settings import PeerConfig
-from kvcr_core.config import KVCRConfig
+from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import ConfigError
 
 MAX_SOCKET_PATH_BYTES = 107
@@ -57,6 +59,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.socket_path:
             raise ConfigError("socket", self.socket_path, "give the Unix socket path to serve")
+        if self.runner.memory_backing is not MemoryBacking.MEMFD:
+            raise ConfigError("memory_backing", self.runner.memory_backing.value,
+                              "engines attach to this pool by its file descriptor: use memfd "
+                              "(anonymous memory suits only a Runner used in one process)")
         if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ConfigError("socket", self.socket_path,
                               f"Unix socket paths must be under {MAX_SOCKET_PATH_BYTES} bytes; "
