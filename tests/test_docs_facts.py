@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
-import tomllib
 import typing
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
