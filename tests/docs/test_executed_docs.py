@@ -3,7 +3,8 @@
 A page in EXECUTED is parsed by Sybil: its `bash` blocks run in order in one bash shell (so
 variables, functions and background servers carry from block to block, as they would in a
 reader's terminal), its `python` blocks in one namespace, and each `output` block must equal
-what the block before it printed. A command that fails anywhere in a block (bash's ERR trap)
+what the block before it printed (`KVCR_DOCS_UPDATE=1` writes them instead, for a
+maintainer who changed a page). A command that fails anywhere in a block (bash's ERR trap)
 fails the page. As root, the shell gets a network namespace of its own, so the ports a page
 uses never meet another test's; everything the page started is killed at the end.
 
@@ -110,6 +111,9 @@ class OutputBlocks(CodeBlockParser):
     def evaluate(self, example: Example) -> None:
         printed = example.namespace.get("printed")
         assert printed is not None, f"line {example.line}: an output block before any command"
+        example.namespace.setdefault("outputs", []).append(printed.rstrip())
+        if os.environ.get("KVCR_DOCS_UPDATE"):  # rewriting the page's outputs: nothing checked
+            return
         assert printed.rstrip() == example.parsed.rstrip(), (
             f"{example.path} line {example.line}: the page shows\n{example.parsed}\n"
             f"but the command printed\n{printed}")
@@ -136,6 +140,21 @@ def test_task_page_runs_as_written(page: str) -> None:
             example.evaluate()
     finally:
         shell.close()
+        if os.environ.get("KVCR_DOCS_UPDATE"):
+            rewrite_outputs(DOCS / page, document.namespace.get("outputs", []))
+
+
+def rewrite_outputs(path: Path, outputs: list[str]) -> None:
+    """KVCR_DOCS_UPDATE=1: writes what the commands printed into the page's `output` blocks,
+    in order (for a maintainer who changed a page; the diff is theirs to review)."""
+    found = iter(outputs)
+    pattern = re.compile(r"^```output\n.*?^```$", re.MULTILINE | re.DOTALL)
+
+    def replace(match: re.Match[str]) -> str:
+        printed = next(found, None)
+        return match.group(0) if printed is None else f"```output\n{printed}\n```"
+
+    path.write_text(pattern.sub(replace, path.read_text()))
 
 
 FENCE = re.compile(r"^```(\S*)", re.MULTILINE)
