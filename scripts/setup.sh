@@ -36,6 +36,6 @@ echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -e "packages/kvcr-core[test,nixl]" -e packages/kvcr-guard -e packages/kvcr-vllm \
   -e packages/kvcr-router -e packages/kvcr-sglang -e "packages/kvcr-bench[demo]" \
-  ruff mypy types-PyYAML import-linter hatchling
+  ruff mypy types-PyYAML import-linter hatchling "sybil==10.1.0"
 echo "$want" > "$stamp"
 echo "setup: done"

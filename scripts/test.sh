@@ -8,6 +8,7 @@ cd "$root"
 bash scripts/setup.sh
 bash scripts/setup_sglang.sh
 bash scripts/setup_deploy.sh  # tests/deploy: hadolint, kubectl, kubernetes-validate, checkov, Prometheus
+bash scripts/setup_docs.sh  # tests/docs: MkDocs and the Material theme for the user guide
 export TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions"  # SGLang's JIT page hash, built once
 rc=0
 .venv/bin/python -m pytest -n 2 "$@" || rc=$?

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs the documentation tools into .venv-docs: MkDocs with the Material theme (pinned),
+# which builds the site from docs/ (`mkdocs build --strict`, run by tests/docs). A venv of its
+# own keeps MkDocs' dependencies out of vLLM's .venv. Idempotent: a stamp of this script skips
+# the pip step when nothing changed.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+venv="$root/.venv-docs"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup-docs: creating $venv"
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.kvcr-setup-stamp"
+want=$(sha256sum scripts/setup_docs.sh | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup-docs: .venv-docs is up to date"
+  exit 0
+fi
+echo "setup-docs: installing MkDocs and the Material theme into $venv (about 20 s)"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+  "mkdocs==1.6.1" "mkdocs-material==9.8.2" "pymdown-extensions==13.1.2"
+echo "$want" > "$stamp"
+echo "setup-docs: done"
