@@ -8,8 +8,9 @@ maintainer who changed a page). A command that fails anywhere in a block (bash's
 fails the page. As root, the shell gets a network namespace of its own, so the ports a page
 uses never meet another test's; everything the page started is killed at the end.
 
-On every page of docs/, commands a reader is told to run that cannot run here are `sh`
-blocks preceded by a sentence saying "Not run in CI" and why."""
+On every page of docs/, every block names its language: commands a reader is told to run
+are `bash` (on an executed page) or `sh` (and `python` off an executed page) right after a
+sentence saying "Not run in CI" and why; listings and outputs are `text`, `json`, `yaml`..."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from sybil.parsers.markdown.codeblock import CodeBlockParser
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
-EXECUTED = ["configure-vllm.md"]
+EXECUTED = ["configure-vllm.md", "keys.md"]
 BLOCK_TIMEOUT_S = 900
 
 
@@ -46,8 +47,9 @@ class Shell:
         if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("ip"):
             bash = ["unshare", "--net", "--", "sh", "-c",
                     "ip link set lo up && exec bash --noprofile --norc"]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
-               "LANG": "C.UTF-8", "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+        env = {"PATH": f"{REPO / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+               "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
+               "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
         self.proc = subprocess.Popen(bash, cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -171,10 +173,16 @@ def test_commands_are_marked_runnable_or_not() -> None:
             language = opening.group(1)
             where = f"{page.name}:{text.count(chr(10), 0, opening.start()) + 1}"
             before = text[max(0, opening.start() - 300):opening.start()]
-            if language == "sh" and "Not run in CI" not in before:
+            not_run = "Not run in CI" in before
+            if language == "sh" and not not_run:
                 wrong.append(f"{where}: an `sh` block without a 'Not run in CI' sentence")
+            if language == "python" and page.name not in EXECUTED and not not_run:
+                wrong.append(f"{where}: a `python` block on a page CI does not execute, "
+                             "without a 'Not run in CI' sentence")
             if language in ("bash", "output") and page.name not in EXECUTED:
                 wrong.append(f"{where}: a `{language}` block on a page CI does not execute")
-            if page.name in EXECUTED and language == "":
-                wrong.append(f"{where}: a block without a language on an executed page")
+            if language == "":
+                wrong.append(f"{where}: a block without a language (commands are `bash`, run "
+                             "in CI, or `sh` after a 'Not run in CI' sentence; anything else "
+                             "`text`, `json`, `yaml`...)")
     assert not wrong, "\n".join(wrong)
