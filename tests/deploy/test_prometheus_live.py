@@ -80,6 +80,9 @@ def queries() -> dict[str, str]:
     for group in yaml.safe_load((MONITORING / "kvcr-rules.yaml").read_text())["groups"]:
         for rule in group["rules"]:
             out[f"alert {rule['alert']}"] = signal_of(rule["expr"])
+    page = (REPO / "docs" / "monitoring.md").read_text()
+    for i, expr in enumerate(re.findall(r"^```promql\n(.*?)\n```", page, re.M | re.S)):
+        out[f"docs/monitoring.md query {i + 1}"] = expr
     return out
 
 
