@@ -4,8 +4,10 @@ for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_bench.vllm_probe
 
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
 path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
-optional kv_transfer_params, max_tokens and reset_prefix_cache), `hold` (then wait to be killed) and
-`bad_extra` (first try an invalid extra config and report the start-up error). Prints one
+optional kv_transfer_params, max_tokens and reset_prefix_cache), `hold` (then wait to be killed),
+`multiprocess` (true: the engine core in a child process, as `vllm serve` runs it; default
+in-process) and `bad_extra` (first try an invalid extra config and report the start-up
+error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, and the engine's kvcr / prefix-cache metrics after it.
 """
@@ -62,9 +64,11 @@ def metrics(llm: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
+    if "multiprocess" in job:  # the engine core in a child process, as `vllm serve` runs it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job["multiprocess"] else "0"
     from vllm import SamplingParams
 
-    job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if job.get("bad_extra") is not None:
         try:
             make_llm(job, job["bad_extra"])
