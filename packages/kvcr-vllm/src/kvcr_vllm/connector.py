@@ -67,8 +67,9 @@ class KVCRConnector(KVConnectorBase_V1):
         follow_vllm_logging()  # also when loaded by kv_connector_module_path, not the plugin
         transfer = self._kv_transfer_config
         engine_id = str(transfer.engine_id or "kvcr")
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank_local", 0)
         self.settings = ConnectorSettings.from_extra_config(
-            transfer.kv_connector_extra_config or {}, engine_id)
+            transfer.kv_connector_extra_config or {}, engine_id, dp_rank or 0)
         self.stats = StatsRecorder()
         block_bytes = block_bytes_for(kv_cache_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size

@@ -14,11 +14,14 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
-- Hints: a `kv_hint` naming an allowed peer (`peers`) makes the scheduler fetch the hinted
-  blocks that extend kvcr's local prefix into every rank's namespace (core's
+- Hints: a hint (vLLM's `Request.kv_hints`, as Dynamo sends it, or
+  `kv_transfer_params["kv_hint"]`) naming an allowed peer (`peers`) makes the scheduler
+  fetch the hinted blocks that extend kvcr's local prefix into every rank's namespace (core's
   `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
   again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
-  lookup and load follow. A hint naming any other endpoint is refused and counted.
+  lookup and load follow. A hint naming any other endpoint is refused and counted. Hinted
+  hashes are matched per block under `hint_hash_scheme` (kvcr_vllm.request_hints); hashes
+  that name no block of the request are counted and never fetched.
 - Pull on miss (`pull_on_miss`, on where `peers` are set; requests without a hint): when
   kvcr's local prefix stops short of the prompt, the scheduler asks the Runner once which
   peer holds the longest run of the blocks after it (the Runner follows its peers'
@@ -32,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.attach import (
@@ -45,9 +48,10 @@ from kvcr_core.attach import (
     hinted_run,
 )
 from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
-from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
+from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.request_hints import block_hint_hashes, raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
@@ -148,9 +152,11 @@ class KVCRConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
-        params = request.kv_transfer_params  # anything a client put in vllm_xargs
-        if isinstance(params, Mapping) and "kv_hint" in params:
-            state.hint = self.hints.accept(params["kv_hint"])
+        # vLLM's Request.kv_hints (Dynamo), else kv_transfer_params["kv_hint"] (anything a
+        # client put in vllm_xargs): the same intake validates and counts both
+        raw = raw_hint(request)
+        if raw is not None:
+            state.hint = self.hints.accept(raw)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -238,12 +244,16 @@ class KVCRConnectorScheduler:
                 self.stats.failure("peer_not_allowed")
             return None
         keys = self._keys(state, state.request.num_tokens // self.block_size)
+        hashes = block_hint_hashes(self.settings.hint_hashes, state.request, keys[0])
+        unmatched = len(allowed[0].block_hashes.difference(hashes))
+        if unmatched:
+            self.stats.add("hint_unmatched_blocks", unmatched)  # named no block of this request
         try:
             have = self.fetcher.local_prefix(keys)  # (also opens the namespaces on first use)
         except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             return None
-        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], keys[0][have:])))
+        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], hashes[have:])))
         if started is Skipped.NOT_ALLOWED:
             self.stats.failure("peer_not_allowed")
         elif started is Skipped.UNAVAILABLE:
@@ -365,12 +375,13 @@ class KVCRConnectorScheduler:
             client.close()
 
 
-def _sources(action: FetchAction, keys: Sequence[BlockKey]) -> list[str | None]:
-    """The hinted source of each block of `keys`, up to the first one the hint leaves out."""
+def _sources(action: FetchAction, hashes: Sequence[int | None]) -> list[str | None]:
+    """The hinted source of each block (by its hint hash), up to the first one the hint
+    leaves out."""
     hinted = action.block_hashes
     sources: list[str | None] = []
-    for key in keys:
-        if router_hash_kvcr_v1(key) not in hinted:
+    for block_hash in hashes:
+        if block_hash is None or block_hash not in hinted:
             break
         sources.append(action.source_endpoint)
     return sources

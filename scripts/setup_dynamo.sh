@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Installs NVIDIA Dynamo 1.6.1 for the Dynamo checks (tests/dynamo, docs/dynamo.md) into a
+# side venv, .venv-dynamo, that sees the vLLM venv (.venv) instead of installing vLLM again:
+#   - ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 with --no-deps (never the [vllm] extra:
+#     it would pull a CUDA vLLM and torch), plus the one dependency .venv lacks (redis);
+#   - a .pth that adds .venv's site-packages (vLLM 0.32, torch CPU, kvcr) after the venv's own;
+#   - bin/dynamo-vllm, a launcher that gives vLLM 0.32's renamed
+#     vllm.v1.engine.utils.get_engine_zmq_bind_addresses its old name get_engine_zmq_addresses
+#     (what dynamo.vllm 1.6.1 imports), then runs `python -m dynamo.vllm`;
+#   - a stub `torchvision` (only in this venv; PyPI's torchvision fails to load on CPU torch)
+#     that imports and raises when used.
+# Idempotent: a stamp of this script skips the work when nothing changed.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3.11}
+venv="$root/.venv-dynamo"
+vllm_site="$root/.venv/lib/python3.11/site-packages"
+
+if [ ! -d "$vllm_site/vllm" ]; then
+  echo "setup-dynamo: $vllm_site has no vLLM: run bash scripts/setup.sh first" >&2
+  exit 1
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup-dynamo: creating $venv"
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.kvcr-setup-stamp"
+want=$(sha256sum scripts/setup_dynamo.sh | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup-dynamo: .venv-dynamo is up to date"
+  exit 0
+fi
+echo "setup-dynamo: installing ai-dynamo 1.6.1 into $venv (about 15 s)"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+  "ai-dynamo-runtime==1.6.1" "ai-dynamo==1.6.1" "redis>=6.2,<9"
+
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# Added after the venv's own site-packages: Dynamo's packages win, vLLM's venv gives the rest.
+echo "import site; site.addsitedir('$vllm_site')" > "$site/zz_kvcr_vllm_venv.pth"
+
+mkdir -p "$site/torchvision"
+cat > "$site/torchvision/__init__.py" <<'EOF'
+"""A stub installed by kvcr's scripts/setup_dynamo.sh: PyPI's torchvision does not load on
+CPU torch, and the text models kvcr's Dynamo checks run never use it. Importing works (so
+optional imports succeed); using anything raises."""
+
+
+def __getattr__(name: str) -> object:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise ImportError(f"torchvision.{name}: torchvision is a stub in .venv-dynamo "
+                      "(kvcr scripts/setup_dynamo.sh); vision models are not supported here")
+EOF
+
+cat > "$venv/bin/dynamo-vllm" <<EOF
+#!$venv/bin/python
+"""dynamo.vllm on vLLM 0.32 (installed by kvcr's scripts/setup_dynamo.sh)."""
+import runpy
+import sys
+
+import vllm.v1.engine.utils as engine_utils
+
+if not hasattr(engine_utils, "get_engine_zmq_addresses"):
+    # vLLM 0.32 renamed it; dynamo.vllm 1.6.1 imports the old name.
+    engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
+sys.argv[0] = "dynamo.vllm"
+runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
+EOF
+chmod +x "$venv/bin/dynamo-vllm"
+
+"$venv/bin/python" -c 'import dynamo.frontend, dynamo.llm, vllm, torchvision' \
+  || { echo "setup-dynamo: the Dynamo venv does not import" >&2; exit 1; }
+echo "$want" > "$stamp"
+echo "setup-dynamo: done ($venv/bin/dynamo-vllm runs a worker, python -m dynamo.frontend the frontend)"
