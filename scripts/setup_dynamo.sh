@@ -4,11 +4,12 @@
 #   - ai-dynamo==1.6.1 and ai-dynamo-runtime==1.6.1 with --no-deps (never the [vllm] extra:
 #     it would pull a CUDA vLLM and torch), plus the one dependency .venv lacks (redis);
 #   - a .pth that adds .venv's site-packages (vLLM 0.32, torch CPU, kvcr) after the venv's own;
-#   - bin/dynamo-vllm, a launcher that gives vLLM 0.32's renamed
+#   - bin/dynamo-vllm, a launcher (scripts/dynamo/launcher.py) that gives vLLM 0.32's renamed
 #     vllm.v1.engine.utils.get_engine_zmq_bind_addresses its old name get_engine_zmq_addresses
 #     (what dynamo.vllm 1.6.1 imports), then runs `python -m dynamo.vllm`;
-#   - a stub `torchvision` (only in this venv; PyPI's torchvision fails to load on CPU torch)
-#     that imports and raises when used.
+#   - a stub `torchvision` (scripts/dynamo/torchvision_stub.py; only in this venv: PyPI's
+#     torchvision fails to load on CPU torch, yet dynamo.vllm imports transformers' vision
+#     processors) whose modules and names all import, and raise ImportError when called.
 # Idempotent: a stamp of this script skips the work when nothing changed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,7 +27,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 stamp="$venv/.kvcr-setup-stamp"
-want=$(sha256sum scripts/setup_dynamo.sh | cut -d' ' -f1)
+want=$(cat scripts/setup_dynamo.sh scripts/dynamo/*.py | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup-dynamo: .venv-dynamo is up to date"
   exit 0
@@ -40,33 +41,8 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 echo "import site; site.addsitedir('$vllm_site')" > "$site/zz_kvcr_vllm_venv.pth"
 
 mkdir -p "$site/torchvision"
-cat > "$site/torchvision/__init__.py" <<'EOF'
-"""A stub installed by kvcr's scripts/setup_dynamo.sh: PyPI's torchvision does not load on
-CPU torch, and the text models kvcr's Dynamo checks run never use it. Importing works (so
-optional imports succeed); using anything raises."""
-
-
-def __getattr__(name: str) -> object:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise ImportError(f"torchvision.{name}: torchvision is a stub in .venv-dynamo "
-                      "(kvcr scripts/setup_dynamo.sh); vision models are not supported here")
-EOF
-
-cat > "$venv/bin/dynamo-vllm" <<EOF
-#!$venv/bin/python
-"""dynamo.vllm on vLLM 0.32 (installed by kvcr's scripts/setup_dynamo.sh)."""
-import runpy
-import sys
-
-import vllm.v1.engine.utils as engine_utils
-
-if not hasattr(engine_utils, "get_engine_zmq_addresses"):
-    # vLLM 0.32 renamed it; dynamo.vllm 1.6.1 imports the old name.
-    engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
-sys.argv[0] = "dynamo.vllm"
-runpy.run_module("dynamo.vllm", run_name="__main__", alter_sys=True)
-EOF
+cp scripts/dynamo/torchvision_stub.py "$site/torchvision/__init__.py"
+{ echo "#!$venv/bin/python"; cat scripts/dynamo/launcher.py; } > "$venv/bin/dynamo-vllm"
 chmod +x "$venv/bin/dynamo-vllm"
 
 "$venv/bin/python" -c 'import dynamo.frontend, dynamo.llm, vllm, torchvision' \
