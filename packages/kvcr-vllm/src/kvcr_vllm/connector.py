@@ -29,8 +29,11 @@ from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -88,9 +91,11 @@ class KVCRConnector(KVConnectorBase_V1):
 
                 self._embedded = EmbeddedRunner(self.settings)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
+            events = vllm_config.kv_events_config
             self._scheduler = KVCRConnectorScheduler(
                 self.settings, specs, block_bytes, self.stats, engine_id,
-                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None)
+                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
+                publish_events=bool(events is not None and events.enable_kv_cache_events))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -181,6 +186,17 @@ class KVCRConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        assert self._scheduler is not None
+        return self._scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its prefix cache: kvcr's pool stays (it is the tier that outlives
+        vLLM's), and its blocks are announced again after vLLM's AllBlocksCleared."""
+        if self._scheduler is not None and self._scheduler.events is not None:
+            self._scheduler.events.announce_again()
+        return None
 
     # -- metrics -------------------------------------------------------------------------------
 

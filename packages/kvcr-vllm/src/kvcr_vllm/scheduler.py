@@ -26,6 +26,9 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   kvcr's local prefix stops short of the prompt, the scheduler asks the Runner once which
   peer holds the longest run of the blocks after it (the Runner follows its peers'
   inventories) and fetches that run the same way; a hint, when present, wins.
+- Events: with vLLM's KV events on, the blocks this engine saves or fetches are announced
+  as a host tier (`CPU_PINNED`) once READY, and as removed once kvcr evicted them
+  (kvcr_vllm.pool_events), so a KV-aware router credits kvcr's pool.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -51,11 +54,13 @@ from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.pool_events import PoolEvents
 from kvcr_vllm.request_hints import block_hint_hashes, raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -101,9 +106,11 @@ class KVCRConnectorScheduler:
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
                  peer_endpoint: str | None = None,
                  clients: Sequence[AttachClient] | None = None,
+                 publish_events: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """One attach client per TP rank's namespace (`clients`: given by tests); the
-        embedded Runner's `peer_endpoint` is reported in each finished request's params."""
+        embedded Runner's `peer_endpoint` is reported in each finished request's params;
+        `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events)."""
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
@@ -122,6 +129,8 @@ class KVCRConnectorScheduler:
                                                   max_bytes=runner.max_hint_bytes))
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
+        self.events = PoolEvents(self.clients, self.block_size, clock=clock) \
+            if publish_events else None
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -202,6 +211,9 @@ class KVCRConnectorScheduler:
             return True
         state.fetch = None
         state.hint_done = True
+        if self.events is not None and summary.fetched:
+            run = summary.run
+            self.events.track(state.request, run.start, run.end, self._keys(state, run.end))
         if state.pulling:
             self.stats.add("pulled_blocks", summary.fetched)
             self.stats.add("pulled_bytes", summary.fetched * self.block_bytes * len(self.specs))
@@ -333,6 +345,8 @@ class KVCRConnectorScheduler:
             state.request.request_id, tuple(state.block_ids[first:full]),
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
+        if self.events is not None:
+            self.events.track(state.request, first, full, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
@@ -362,6 +376,16 @@ class KVCRConnectorScheduler:
             del self._requests[request.request_id]
         # Saves complete inside the step that planned them: nothing holds the blocks.
         return False, params
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """kvcr's pool tier as vLLM KV events since the last call (none unless enabled)."""
+        if self.events is None:
+            return []
+        lost = self.events.lost_runner
+        events = self.events.take()
+        if self.events.lost_runner > lost:
+            self.stats.failure("guard_unavailable")
+        return events
 
     def _release_all(self, ops: list[OpId]) -> None:
         for client, op in zip(self.clients, ops, strict=False):
