@@ -15,7 +15,9 @@ import json
 import os
 import random
 import re
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,19 @@ DYNAMO_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCA
               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false", "DYN_TCP_RPC_HOST": "127.0.0.1",
               "DYN_EVENT_PLANE_HOST": "127.0.0.1"}
+_CLEAR = """
+import asyncio, json, sys
+from dynamo.runtime import DistributedRuntime
+
+async def main():
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+    client = await runtime.endpoint("dynamo.backend.clear_kv_blocks").client()
+    await asyncio.wait_for(client.wait_for_instances(), 60)
+    async for reply in await client.direct(None, int(sys.argv[1])):
+        print(json.dumps(reply.data()))
+
+asyncio.run(main())
+"""
 PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
 
 
@@ -43,6 +58,21 @@ def system_port() -> int:
             s.bind(("127.0.0.1", port))
             return port
     raise RuntimeError("no free port below 32768")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 def missing() -> str | None:
@@ -96,6 +126,15 @@ class Worker(Process):
     def metrics(self) -> str:
         return httpx.get(f"http://127.0.0.1:{self.system_port}/metrics", timeout=10).text
 
+    def kill(self) -> None:
+        """SIGKILL to the worker and every process it started (its engine core), by PID:
+        a crash, not a shutdown."""
+        pids = descendants(self.proc.pid)
+        for pid in [self.proc.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
     def metric(self, name: str, **labels: str) -> float:
         return metric(self.metrics(), name, **labels)
 
@@ -112,10 +151,12 @@ class DynamoRig:
         self.processes: list[Process] = []
         self.port = 0
 
-    def frontend(self) -> Process:
+    def frontend(self, *args: str) -> Process:
+        """The frontend with Dynamo's KV router (`args`: more frontend flags)."""
         self.port = free_port()
         proc = Process([str(VENV / "bin" / "python"), "-m", "dynamo.frontend", "--router-mode",
-                        "kv", "--http-host", "127.0.0.1", "--http-port", str(self.port), *PLANES],
+                        "kv", "--http-host", "127.0.0.1", "--http-port", str(self.port), *PLANES,
+                        *args],
                        self.workdir / "frontend.log", self.env)
         self.processes.append(proc)
         return proc
@@ -154,6 +195,16 @@ class DynamoRig:
                 if time.monotonic() > deadline or not worker.alive():
                     raise RuntimeError(f"{worker.name} not served: {worker.tail()}")
                 time.sleep(1)
+
+    def clear_kv_blocks(self, worker: Worker) -> str:
+        """Dynamo's clear_kv_blocks endpoint of `worker` (vLLM resets its prefix cache and
+        its connectors'): what it answered."""
+        out = subprocess.run([str(VENV / "bin" / "python"), "-c", _CLEAR,
+                              str(worker.instance_id)], env={**os.environ, **self.env},
+                             capture_output=True, text=True, timeout=120, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"clear_kv_blocks failed: {out.stderr[-2000:]}")
+        return out.stdout.strip()
 
     def router_metric(self, name: str, **labels: str) -> float:
         return metric(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
