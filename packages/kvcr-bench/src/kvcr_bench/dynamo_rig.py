@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcr_bench.vllm_servers import Process, free_port
+from kvcr_bench.vllm_servers import Process
 
 REPO = Path(__file__).resolve().parents[4]
 VENV = REPO / ".venv-dynamo"
@@ -50,8 +50,10 @@ asyncio.run(main())
 PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
 
 
-def system_port() -> int:
-    """A free port below 32768: Dynamo reads DYN_SYSTEM_PORT as a signed 16-bit number."""
+def low_port() -> int:
+    """A free port below 32768, outside Linux's ephemeral range (32768-60999), so the ports
+    the processes started meanwhile take for themselves never collide with it; and Dynamo
+    reads DYN_SYSTEM_PORT as a signed 16-bit number."""
     for _ in range(200):
         port = random.randrange(20000, 32000)
         with contextlib.suppress(OSError), socket.socket() as s:
@@ -96,8 +98,8 @@ class Worker(Process):
     def __init__(self, rig: DynamoRig, name: str, extra: dict[str, Any],
                  env: dict[str, str]) -> None:
         self.name = name
-        self.system_port = system_port()
-        self.events_port = free_port()
+        self.system_port = low_port()
+        self.events_port = low_port()
         kv = {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": extra}
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -153,7 +155,7 @@ class DynamoRig:
 
     def frontend(self, *args: str) -> Process:
         """The frontend with Dynamo's KV router (`args`: more frontend flags)."""
-        self.port = free_port()
+        self.port = low_port()
         proc = Process([str(VENV / "bin" / "python"), "-m", "dynamo.frontend", "--router-mode",
                         "kv", "--http-host", "127.0.0.1", "--http-port", str(self.port), *PLANES,
                         *args],
