@@ -298,3 +298,19 @@ def test_kvcr_v1_hints_still_use_router_hashes_and_engine_hashes_need_equal_bloc
     assert engine[1] == int.from_bytes(b"\x01" * 8, "big")
     Req.block_hashes = Req.block_hashes * 2  # vLLM hashed half-size blocks
     assert block_hint_hashes(HintHashScheme.VLLM_ENGINE, Req(), keys) == [None] * 8
+
+
+def test_a_hint_naming_this_engines_own_shared_endpoint_is_no_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: in guarded mode the node's engines share kvcr-guard and so advertise one control
+    endpoint; Dynamo hinting B to fetch from A's (= its own) endpoint was counted as a
+    refused stranger, though the shared pool already serves those blocks."""
+    source = vllm_request("on-a", "sha256", "0", monkeypatch)
+    node = Node({"secondary_tiers": [TIER]})
+    assert node.scheduler.settings.advertised_endpoint == "tcp://10.0.0.1:7500"
+    node.client.store.store(node.keys, [pattern_block(k, BLOCK) for k in node.keys])
+    target = vllm_request("on-b", "sha256", "0", monkeypatch,
+                          kv_hints=envelope(published(source), "tcp://10.0.0.1:7500"))
+    assert node.admit(target) == (32, True)  # served from the shared pool
+    counters = node.counters()
+    assert "failures_peer_not_allowed" not in counters and node.client.calls["peer_fetch"] == 0

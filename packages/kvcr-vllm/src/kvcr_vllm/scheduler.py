@@ -250,9 +250,13 @@ class KVCRConnectorScheduler:
 
     def _start_fetch(self, state: _RequestState) -> HintedFetch | None:
         assert state.hint is not None
-        allowed = [f for f in state.hint.fetches if f.source_endpoint in self.fetcher.peers]
+        # A source that is this engine's own endpoint (kvcr-guard's, shared by the node's
+        # engines) holds nothing kvcr lacks here: the normal lookup finds its blocks.
+        own = self.settings.advertised_endpoint
+        fetches = [f for f in state.hint.fetches if f.source_endpoint != own]
+        allowed = [f for f in fetches if f.source_endpoint in self.fetcher.peers]
         if not allowed:
-            if state.hint.fetches:
+            if fetches:
                 self.stats.failure("peer_not_allowed")
             return None
         keys = self._keys(state, state.request.num_tokens // self.block_size)

@@ -35,6 +35,8 @@ class ConnectorSettings(EngineSettings):
     save: bool = True
     router_hint: RouterHintTier | None = None
     """Dynamo's router-hint capability, when this worker advertises it."""
+    advertised_endpoint: str | None = None
+    """The control endpoint Dynamo names when this engine is the source (its DP rank's)."""
     hint_hashes: HintHashScheme = HintHashScheme.KVCR_V1
 
     @classmethod
@@ -59,6 +61,7 @@ class ConnectorSettings(EngineSettings):
         scheme = parse_hash_scheme(extra.get("hint_hash_scheme"), tier,
                                    f"{field}.hint_hash_scheme")
         return cls(**common, load=flags["load"], save=flags["save"], router_hint=tier,
+                   advertised_endpoint=tier.endpoint(dp_rank) if tier else None,
                    hint_hashes=scheme)
 
 
