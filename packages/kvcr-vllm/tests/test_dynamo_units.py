@@ -26,7 +26,7 @@ from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
 from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
 from kvcr_vllm.request_hints import block_hint_hashes, engine_hash_u64, raw_hint
-from kvcr_vllm.router_tier import HintHashScheme, RouterHintTier
+from kvcr_vllm.router_tier import HintHashScheme, RouterHintTier, guard_endpoint_problem
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -314,3 +314,15 @@ def test_a_hint_naming_this_engines_own_shared_endpoint_is_no_failure(
     assert node.admit(target) == (32, True)  # served from the shared pool
     counters = node.counters()
     assert "failures_peer_not_allowed" not in counters and node.client.calls["peer_fetch"] == 0
+
+
+def test_guarded_mode_checks_the_control_port_against_kvcr_guards_peer_endpoint() -> None:
+    """Risk: in guarded mode Dynamo advertises a control port kvcr-guard does not serve
+    peers on, and every hinted fetch from this node fails, unnoticed."""
+    tier = RouterHintTier((7500, 7501), "10.0.0.1")
+    assert guard_endpoint_problem(tier, 0, {"peer_endpoint": "0.0.0.0:7500"}) is None
+    assert guard_endpoint_problem(tier, 1, {"peer_endpoint": "tcp://10.0.0.1:7501"}) is None
+    wrong = guard_endpoint_problem(tier, 0, {"peer_endpoint": "0.0.0.0:7600"})
+    assert wrong is not None and "--peer-listen" in wrong and "7600" in wrong
+    none = guard_endpoint_problem(tier, 0, {"peer_endpoint": None})
+    assert none is not None and "--peer-listen HOST:7500" in none

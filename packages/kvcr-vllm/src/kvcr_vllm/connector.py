@@ -21,10 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcr_core.attach import Mode
+from kvcr_core.attach import Mode, probe_status
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
+from kvcr_vllm.router_tier import guard_endpoint_problem
 from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
@@ -90,6 +91,8 @@ class KVCRConnector(KVConnectorBase_V1):
                 from kvcr_core.attach import EmbeddedRunner
 
                 self._embedded = EmbeddedRunner(self.settings)
+            elif self.settings.router_hint is not None:
+                self._check_guard_endpoint(dp_rank or 0)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
             events = vllm_config.kv_events_config
             self._scheduler = KVCRConnectorScheduler(
@@ -105,6 +108,21 @@ class KVCRConnector(KVConnectorBase_V1):
             self._worker = KVCRConnectorWorker(
                 self.settings, namespace_for(vllm_config, rank), rank, block_bytes,
                 kv_cache_config.num_blocks, self.stats, engine_id)
+
+    def _check_guard_endpoint(self, dp_rank: int) -> None:
+        """Guarded mode with Dynamo's hint capability: warn when the advertised control port
+        is not kvcr-guard's peer port (peers would fetch from nowhere). Advisory: a guard
+        that cannot be asked now (down, restarting) is no error."""
+        assert self.settings.router_hint is not None
+        try:
+            status = probe_status(self.settings.socket, timeout_s=1.0)
+        except Exception as exc:  # any failure only skips this advisory check
+            log.info("kvcr: could not ask kvcr-guard for its peer endpoint (%s); not checking "
+                     "secondary_tiers' control_ports", exc)
+            return
+        problem = guard_endpoint_problem(self.settings.router_hint, dp_rank, status)
+        if problem is not None:
+            log.warning("kvcr: %s", problem)
 
     # -- properties ----------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@ NVIDIA Dynamo reads `secondary_tiers` from the connector's extra config: a worke
 entry lists `"router_capabilities": ["router_hint"]` with `control_ports` (one per local DP
 rank) and `control_advertise_host` gets `kv.fetch` hints naming another worker's
 `tcp://control_advertise_host:control_ports[rank]`. For kvcr that endpoint must be where peers
-fetch blocks from: the embedded Runner's `peer_listen`, or (guarded mode) kvcr-guard's
-`--peer-listen`, which only the operator can keep in step (docs/dynamo.md).
+fetch blocks from: the embedded Runner's `peer_listen` (checked here), or (guarded mode)
+kvcr-guard's `--peer-listen` (`guard_endpoint_problem`: the connector asks the guard at start
+and warns; docs/dynamo.md).
 
 `hint_hash_scheme` names what a hint's `block_hashes` are: `kvcr-v1` (kvcr's router hashes,
 docs/keys.md; the default) or `vllm-engine` (vLLM's own prefix-cache block hashes, root
@@ -141,3 +142,18 @@ def parse_hash_scheme(raw: object, tier: RouterHintTier | None, field: str) -> H
     except ValueError:
         raise ConfigError(field, raw, "use 'kvcr-v1' (kvcr-router's hashes) or "
                           "'vllm-engine' (vLLM's block hashes, as Dynamo sends them)") from None
+
+
+def guard_endpoint_problem(tier: RouterHintTier, dp_rank: int, status: Mapping[str, Any]
+                           ) -> str | None:
+    """Guarded mode: why the advertised control port is not where kvcr-guard (its `status`,
+    `kvcr status` fields) serves peers, with the fix; None when it is."""
+    port = tier.control_ports[dp_rank]
+    served = status.get("peer_endpoint")
+    if not isinstance(served, str) or not served:
+        return (f"kvcr-guard serves no peers, yet Dynamo advertises port {port} as this "
+                f"worker's kvcr source: start kvcr-guard with --peer-listen HOST:{port}")
+    if served.rpartition(":")[2] != str(port):
+        return (f"kvcr-guard serves peers on {served}, yet Dynamo advertises port {port} as this "
+                "worker's kvcr source: make control_ports the guard's --peer-listen port")
+    return None
