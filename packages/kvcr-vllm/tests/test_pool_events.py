@@ -67,12 +67,13 @@ class Node:
     def save(self, request: Request) -> None:
         """The request arrives and its prompt is computed (all full blocks planned)."""
         sched = self.scheduler
+        blocks = request.num_tokens // BLOCK_TOKENS + 1
         sched.on_new_request(request)
         sched.get_num_new_matched_tokens(request, 0)
         sched.build_connector_meta(SimpleNamespace(
             num_scheduled_tokens={request.request_id: request.num_tokens},
             scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id,
-                                                block_ids=(list(range(9)),),
+                                                block_ids=(list(range(blocks)),),
                                                 num_computed_tokens=0)],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                   resumed_req_ids=set(),
@@ -131,7 +132,8 @@ def test_evicted_blocks_are_announced_removed_and_never_all_cleared() -> None:
     assert not any(isinstance(e, AllBlocksCleared) for e in node.scheduler.take_events())
 
 
-def test_the_announced_table_is_bounded_and_reset_announces_again() -> None:
+def test_the_announced_table_is_bounded_and_reset_announces_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: an unbounded table of announced blocks (memory grows with traffic), or a router
     that dropped this worker's tiers on vLLM's AllBlocksCleared never hears of kvcr's blocks
     again."""
@@ -150,6 +152,14 @@ def test_the_announced_table_is_bounded_and_reset_announces_again() -> None:
     again = node.scheduler.take_events()
     assert [h for e in again for h in e.block_hashes] == published(req)[3:]
     assert again[0].parent_block_hash == published(req)[2]
+    node.scheduler.events.max_blocks = 64
+    node.save(request("r2", list(range(500, 500 + 4 * 40))))
+    node.commit(tokens=list(range(500, 500 + 4 * 40)))
+    node.scheduler.take_events()
+    monkeypatch.setattr(pool_events, "AGAIN_BLOCKS", 16)
+    node.scheduler.events.announce_again()
+    sizes = [sum(len(e.block_hashes) for e in node.scheduler.take_events()) for _ in range(4)]
+    assert sizes == [16, 16, 13, 0]  # 45 blocks held, in bounded slices
 
 
 def test_pending_blocks_never_committed_are_dropped_and_a_lost_runner_costs_no_step() -> None:

@@ -14,7 +14,8 @@ engine announced to a KV-aware router (NVIDIA Dynamo) as held in its host tier.
   runs (the oldest dropped).
 - Never `AllBlocksCleared`: that event means vLLM's own cache; kvcr's pool is not cleared
   with it. `announce_again()` (vLLM reset its cache, and a router may have dropped every tier
-  of this worker) announces every held block once more.
+  of this worker) announces every held block once more, `AGAIN_BLOCKS` per step (an event
+  batch stays small).
 - Guarded mode: kvcr-guard's pool is shared by the node's engines, and each engine announces
   only the blocks it saved or fetched; a block another engine saved is credited to that
   engine only, though every engine of the node can load it (docs/dynamo.md).
@@ -44,6 +45,7 @@ SETTLE_S = 5.0
 SWEEP_S = 1.0
 SWEEP_BLOCKS = 1024
 MAX_PENDING = 4096
+AGAIN_BLOCKS = 4096
 DEFAULT_MAX_BLOCKS = 1 << 16
 
 
@@ -80,7 +82,7 @@ class PoolEvents:
         self._announced: collections.OrderedDict[tuple[BlockKey, ...], _Block] = \
             collections.OrderedDict()
         self._next_sweep = clock() + SWEEP_S
-        self._again = False
+        self._again: collections.deque[tuple[BlockKey, ...]] = collections.deque()
         self.lost_runner = 0  # take() calls that could not ask the Runner
 
     def track(self, request: Any, start: int, end: int,
@@ -104,15 +106,13 @@ class PoolEvents:
             self._pending.append(_Run(blocks, self._clock()))
 
     def announce_again(self) -> None:
-        """Announce every held block once more at the next `take()`."""
-        self._again = True
+        """Announce every held block once more, from the next `take()` on."""
+        self._again = collections.deque(self._announced)
 
     def take(self) -> list[KVCacheEvent]:
         events: list[KVCacheEvent] = []
         try:
-            if self._again:
-                self._again = False
-                events += self._stored(list(self._announced.values()))
+            events += self._stored(self._again_slice())
             events += self._settle()
             if self._clock() >= self._next_sweep:
                 self._next_sweep = self._clock() + SWEEP_S
@@ -120,6 +120,15 @@ class PoolEvents:
         except RunnerUnavailable:
             self.lost_runner += 1
         return events
+
+    def _again_slice(self) -> list[_Block]:
+        """The next AGAIN_BLOCKS blocks to announce again (those still announced)."""
+        blocks: list[_Block] = []
+        while self._again and len(blocks) < AGAIN_BLOCKS:
+            block = self._announced.get(self._again.popleft())
+            if block is not None:
+                blocks.append(block)
+        return blocks
 
     def _ready(self, blocks: Sequence[_Block]) -> list[bool]:
         """Whether each block is READY on every rank (raises RunnerUnavailable)."""
