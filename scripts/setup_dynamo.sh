@@ -14,7 +14,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-py=${PYTHON:-python3.11}
+py=${PYTHON:-$root/.venv/bin/python}  # the same Python as .venv (its packages must load)
 venv="$root/.venv-dynamo"
 vllm_site="$root/.venv/lib/python3.11/site-packages"
 
