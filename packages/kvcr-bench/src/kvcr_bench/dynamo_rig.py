@@ -96,7 +96,7 @@ class Worker(Process):
     """A dynamo.vllm worker; `instance_id` is what `nvext.backend_instance_id` pins to."""
 
     def __init__(self, rig: DynamoRig, name: str, extra: dict[str, Any],
-                 env: dict[str, str]) -> None:
+                 env: dict[str, str], args: tuple[str, ...] = ()) -> None:
         self.name = name
         self.system_port = low_port()
         self.events_port = low_port()
@@ -108,7 +108,8 @@ class Worker(Process):
             str(VENV / "bin" / "dynamo-vllm"), "--model", rig.model, "--served-model-name",
             "model", "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
             "--enforce-eager", "--max-num-seqs", "4", *PLANES,
-            "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(kv)],
+            "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(kv),
+            *args],
             rig.workdir / f"{name}.log",
             {**rig.env, "DYN_SYSTEM_PORT": str(self.system_port), **env})
 
@@ -163,9 +164,11 @@ class DynamoRig:
         self.processes.append(proc)
         return proc
 
-    def worker(self, name: str, extra: dict[str, Any], env: dict[str, str] | None = None
-               ) -> Worker:
-        worker = Worker(self, name, extra, env or {})
+    def worker(self, name: str, extra: dict[str, Any], env: dict[str, str] | None = None,
+               args: tuple[str, ...] = ()) -> Worker:
+        """A worker with kvcr (`extra`: its kv_connector_extra_config; `args`: more vLLM
+        flags)."""
+        worker = Worker(self, name, extra, env or {}, args)
         self.processes.append(worker)
         return worker
 
