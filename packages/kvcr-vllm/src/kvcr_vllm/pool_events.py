@@ -88,11 +88,14 @@ class PoolEvents:
     def track(self, request: Any, start: int, end: int,
               keys_by_rank: Sequence[Sequence[BlockKey]]) -> None:
         """Blocks [start, end) of `request` were saved or fetched: announce them once READY.
-        Blocks vLLM has not hashed (yet) are left out."""
+        Blocks vLLM has not hashed (yet) are left out, and all of them when vLLM hashes
+        blocks of another size (its hash i is then not block i)."""
         hashes = list(getattr(request, "block_hashes", ()) or ())
         tokens = request.all_token_ids
-        end = min(end, len(hashes))
         bs = self.block_size
+        if len(hashes) != len(tokens) // bs:
+            return
+        end = min(end, len(hashes))
         blocks = []
         for i in range(start, end):
             keys = tuple(rank[i] for rank in keys_by_rank)
