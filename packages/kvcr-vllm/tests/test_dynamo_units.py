@@ -88,6 +88,7 @@ def test_the_router_hint_tier_is_accepted_and_advertises_the_peer_endpoint(
     ({"secondary_tiers": [TIER]}, PORTS, "set peer_listen"),
     ({**embedded(), "peer_listen": "0.0.0.0:7501"}, PORTS, '"0.0.0.0:7500"'),
     ({**embedded(), "peer_listen": "0.0.0.0:0"}, PORTS, "a fixed port"),
+    ({**embedded(), "peer_listen": "127.0.0.1:7500"}, HOST, "binds only 127.0.0.1:7500"),
     ({**embedded(), "secondary_tiers": [TIER, TIER]}, "secondary_tiers", "exactly one"),
     ({**embedded(), "hint_hash_scheme": "sha256"}, "hint_hash_scheme", "vllm-engine"),
 ])

@@ -125,12 +125,26 @@ def check_control_endpoint(tier: RouterHintTier, mode: Mode, peer: PeerConfig, d
     if mode is Mode.GUARDED:
         return  # kvcr-guard's --peer-listen: the operator keeps the two in step
     port = tier.control_ports[dp_rank]
-    listen_port = peer.listen.rpartition(":")[2] if peer.listen else ""
+    listen_host, _, listen_port = peer.listen.rpartition(":")
     if not listen_port or int(listen_port) != port:
         raise ConfigError(where, list(tier.control_ports),
                           f"Dynamo advertises port {port} as this worker's kvcr source, but "
                           f"peer_listen is {peer.listen!r}: set peer_listen to "
                           f"\"0.0.0.0:{port}\" (a fixed port, the one in control_ports)")
+    bound, advertised = _ip(listen_host), _ip(tier.advertise_host)
+    if bound is not None and advertised is not None and not bound.is_unspecified \
+            and bound != advertised:
+        raise ConfigError(f"{field}.control_advertise_host", tier.advertise_host,
+                          f"peers would dial {tier.endpoint(dp_rank)}, but peer_listen binds "
+                          f"only {peer.listen}: advertise {listen_host} or listen on "
+                          f"0.0.0.0:{port}")
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None  # a host name: it may resolve to the bound address
 
 
 def parse_hash_scheme(raw: object, tier: RouterHintTier | None, field: str) -> HintHashScheme:
