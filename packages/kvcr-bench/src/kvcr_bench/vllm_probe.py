@@ -4,10 +4,10 @@ for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_bench.vllm_probe
 
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
 path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
-optional kv_transfer_params, max_tokens and reset_prefix_cache), `hold` (then wait to be killed),
-`multiprocess` (true: the engine core in a child process, as `vllm serve` runs it; default
-in-process) and `bad_extra` (first try an invalid extra config and report the start-up
-error). Prints one
+optional kv_transfer_params, kv_hints (vLLM's own hint envelope, as JSON), max_tokens and
+reset_prefix_cache), `hold` (then wait to be killed), `multiprocess` (true: the engine core in
+a child process, as `vllm serve` runs it; default in-process) and `bad_extra` (first try an
+invalid extra config and report the start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, and the engine's kvcr / prefix-cache metrics after it.
 """
@@ -63,6 +63,26 @@ def metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
+def hinted_generate(llm: Any, req: dict[str, Any], params: Any, request_id: str) -> Any:
+    """One request carrying vLLM's own `kv_hints` (a KvHintsEnvelope, as NVIDIA Dynamo sends
+    it; msgspec does not check a struct's fields when it is built, so a malformed one reaches
+    the engine as it would from a faulty router), through the engine's add_request/step."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    raw = req["kv_hints"]
+    envelope = KvHintsEnvelope(
+        protocol_version=raw.get("protocol_version"), message_id=raw.get("message_id"),
+        actions=[KvHintAction(**action) for action in raw.get("actions", [])])
+    engine = llm.llm_engine
+    engine.add_request(request_id, {"prompt_token_ids": req["tokens"]}, params,
+                       kv_hints=envelope)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise RuntimeError("the hinted request never finished")
+
+
 def main() -> None:
     job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if "multiprocess" in job:  # the engine core in a child process, as `vllm serve` runs it
@@ -83,7 +103,10 @@ def main() -> None:
         sp = SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 16), ignore_eos=True,
                             extra_args=extra_args)
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": req["tokens"]}], sp, use_tqdm=False)[0]
+        if req.get("kv_hints") is not None:
+            out = hinted_generate(llm, req, sp, f"hinted-{start}")
+        else:
+            out = llm.generate([{"prompt_token_ids": req["tokens"]}], sp, use_tqdm=False)[0]
         print(json.dumps({"tokens": list(out.outputs[0].token_ids),
                           "cached": out.num_cached_tokens, "seconds": time.perf_counter() - start,
                           "params": out.kv_transfer_params, "metrics": metrics(llm)}), flush=True)

@@ -21,16 +21,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcr_core.attach import Mode
+from kvcr_core.attach import Mode, probe_status
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
+from kvcr_vllm.router_tier import guard_endpoint_problem
 from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -67,8 +71,9 @@ class KVCRConnector(KVConnectorBase_V1):
         follow_vllm_logging()  # also when loaded by kv_connector_module_path, not the plugin
         transfer = self._kv_transfer_config
         engine_id = str(transfer.engine_id or "kvcr")
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank_local", 0)
         self.settings = ConnectorSettings.from_extra_config(
-            transfer.kv_connector_extra_config or {}, engine_id)
+            transfer.kv_connector_extra_config or {}, engine_id, dp_rank or 0)
         self.stats = StatsRecorder()
         block_bytes = block_bytes_for(kv_cache_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -86,10 +91,14 @@ class KVCRConnector(KVConnectorBase_V1):
                 from kvcr_core.attach import EmbeddedRunner
 
                 self._embedded = EmbeddedRunner(self.settings)
+            elif self.settings.router_hint is not None:
+                self._check_guard_endpoint(dp_rank or 0)
             specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
+            events = vllm_config.kv_events_config
             self._scheduler = KVCRConnectorScheduler(
                 self.settings, specs, block_bytes, self.stats, engine_id,
-                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None)
+                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
+                publish_events=bool(events is not None and events.enable_kv_cache_events))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -99,6 +108,21 @@ class KVCRConnector(KVConnectorBase_V1):
             self._worker = KVCRConnectorWorker(
                 self.settings, namespace_for(vllm_config, rank), rank, block_bytes,
                 kv_cache_config.num_blocks, self.stats, engine_id)
+
+    def _check_guard_endpoint(self, dp_rank: int) -> None:
+        """Guarded mode with Dynamo's hint capability: warn when the advertised control port
+        is not kvcr-guard's peer port (peers would fetch from nowhere). Advisory: a guard
+        that cannot be asked now (down, restarting) is no error."""
+        assert self.settings.router_hint is not None
+        try:
+            status = probe_status(self.settings.socket, timeout_s=1.0)
+        except Exception as exc:  # any failure only skips this advisory check
+            log.info("kvcr: could not ask kvcr-guard for its peer endpoint (%s); not checking "
+                     "secondary_tiers' control_ports", exc)
+            return
+        problem = guard_endpoint_problem(self.settings.router_hint, dp_rank, status)
+        if problem is not None:
+            log.warning("kvcr: %s", problem)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -180,6 +204,17 @@ class KVCRConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        assert self._scheduler is not None
+        return self._scheduler.take_events()
+
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its prefix cache: kvcr's pool stays (it is the tier that outlives
+        vLLM's), and its blocks are announced again after vLLM's AllBlocksCleared."""
+        if self._scheduler is not None and self._scheduler.events is not None:
+            self._scheduler.events.announce_again()
+        return None
 
     # -- metrics -------------------------------------------------------------------------------
 

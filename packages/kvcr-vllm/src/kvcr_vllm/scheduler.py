@@ -14,15 +14,21 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
-- Hints: a `kv_hint` naming an allowed peer (`peers`) makes the scheduler fetch the hinted
-  blocks that extend kvcr's local prefix into every rank's namespace (core's
+- Hints: a hint (vLLM's `Request.kv_hints`, as Dynamo sends it, or
+  `kv_transfer_params["kv_hint"]`) naming an allowed peer (`peers`) makes the scheduler
+  fetch the hinted blocks that extend kvcr's local prefix into every rank's namespace (core's
   `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
   again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
-  lookup and load follow. A hint naming any other endpoint is refused and counted.
+  lookup and load follow. A hint naming any other endpoint is refused and counted. Hinted
+  hashes are matched per block under `hint_hash_scheme` (kvcr_vllm.request_hints); hashes
+  that name no block of the request are counted and never fetched.
 - Pull on miss (`pull_on_miss`, on where `peers` are set; requests without a hint): when
   kvcr's local prefix stops short of the prompt, the scheduler asks the Runner once which
   peer holds the longest run of the blocks after it (the Runner follows its peers'
   inventories) and fetches that run the same way; a hint, when present, wins.
+- Events: with vLLM's KV events on, the blocks this engine saves or fetches are announced
+  as a host tier (`CPU_PINNED`) once READY, and as removed once kvcr evicted them
+  (kvcr_vllm.pool_events), so a KV-aware router credits kvcr's pool.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
@@ -32,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.attach import (
@@ -45,13 +51,16 @@ from kvcr_core.attach import (
     hinted_run,
 )
 from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
-from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
+from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.pool_events import PoolEvents
+from kvcr_vllm.request_hints import block_hint_hashes, raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -97,9 +106,11 @@ class KVCRConnectorScheduler:
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
                  peer_endpoint: str | None = None,
                  clients: Sequence[AttachClient] | None = None,
+                 publish_events: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """One attach client per TP rank's namespace (`clients`: given by tests); the
-        embedded Runner's `peer_endpoint` is reported in each finished request's params."""
+        embedded Runner's `peer_endpoint` is reported in each finished request's params;
+        `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events)."""
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
@@ -118,6 +129,8 @@ class KVCRConnectorScheduler:
                                                   max_bytes=runner.max_hint_bytes))
         self._requests: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
+        self.events = PoolEvents(self.clients, self.block_size, clock=clock) \
+            if publish_events else None
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -148,9 +161,11 @@ class KVCRConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         state = self._state(request)
-        params = request.kv_transfer_params  # anything a client put in vllm_xargs
-        if isinstance(params, Mapping) and "kv_hint" in params:
-            state.hint = self.hints.accept(params["kv_hint"])
+        # vLLM's Request.kv_hints (Dynamo), else kv_transfer_params["kv_hint"] (anything a
+        # client put in vllm_xargs): the same intake validates and counts both
+        raw = raw_hint(request)
+        if raw is not None:
+            state.hint = self.hints.accept(raw)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -196,6 +211,9 @@ class KVCRConnectorScheduler:
             return True
         state.fetch = None
         state.hint_done = True
+        if self.events is not None and summary.fetched:
+            run = summary.run
+            self.events.track(state.request, run.start, run.end, self._keys(state, run.end))
         if state.pulling:
             self.stats.add("pulled_blocks", summary.fetched)
             self.stats.add("pulled_bytes", summary.fetched * self.block_bytes * len(self.specs))
@@ -232,18 +250,26 @@ class KVCRConnectorScheduler:
 
     def _start_fetch(self, state: _RequestState) -> HintedFetch | None:
         assert state.hint is not None
-        allowed = [f for f in state.hint.fetches if f.source_endpoint in self.fetcher.peers]
+        # A source that is this engine's own endpoint (kvcr-guard's, shared by the node's
+        # engines) holds nothing kvcr lacks here: the normal lookup finds its blocks.
+        own = self.settings.advertised_endpoint
+        fetches = [f for f in state.hint.fetches if f.source_endpoint != own]
+        allowed = [f for f in fetches if f.source_endpoint in self.fetcher.peers]
         if not allowed:
-            if state.hint.fetches:
+            if fetches:
                 self.stats.failure("peer_not_allowed")
             return None
         keys = self._keys(state, state.request.num_tokens // self.block_size)
+        hashes = block_hint_hashes(self.settings.hint_hashes, state.request, keys[0])
+        unmatched = len(allowed[0].block_hashes.difference(hashes))
+        if unmatched:
+            self.stats.add("hint_unmatched_blocks", unmatched)  # named no block of this request
         try:
             have = self.fetcher.local_prefix(keys)  # (also opens the namespaces on first use)
         except RunnerUnavailable:
             self.stats.failure("guard_unavailable")
             return None
-        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], keys[0][have:])))
+        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], hashes[have:])))
         if started is Skipped.NOT_ALLOWED:
             self.stats.failure("peer_not_allowed")
         elif started is Skipped.UNAVAILABLE:
@@ -323,6 +349,8 @@ class KVCRConnectorScheduler:
             state.request.request_id, tuple(state.block_ids[first:full]),
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
+        if self.events is not None:
+            self.events.track(state.request, first, full, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
@@ -353,6 +381,16 @@ class KVCRConnectorScheduler:
         # Saves complete inside the step that planned them: nothing holds the blocks.
         return False, params
 
+    def take_events(self) -> list[KVCacheEvent]:
+        """kvcr's pool tier as vLLM KV events since the last call (none unless enabled)."""
+        if self.events is None:
+            return []
+        lost = self.events.lost_runner
+        events = self.events.take()
+        if self.events.lost_runner > lost:
+            self.stats.failure("guard_unavailable")
+        return events
+
     def _release_all(self, ops: list[OpId]) -> None:
         for client, op in zip(self.clients, ops, strict=False):
             try:
@@ -365,12 +403,13 @@ class KVCRConnectorScheduler:
             client.close()
 
 
-def _sources(action: FetchAction, keys: Sequence[BlockKey]) -> list[str | None]:
-    """The hinted source of each block of `keys`, up to the first one the hint leaves out."""
+def _sources(action: FetchAction, hashes: Sequence[int | None]) -> list[str | None]:
+    """The hinted source of each block (by its hint hash), up to the first one the hint
+    leaves out."""
     hinted = action.block_hashes
     sources: list[str | None] = []
-    for key in keys:
-        if router_hash_kvcr_v1(key) not in hinted:
+    for block_hash in hashes:
+        if block_hash is None or block_hash not in hinted:
             break
         sources.append(action.source_endpoint)
     return sources

@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 from kvcr_core.attach import ENGINE_KEYS, EngineSettings, reject_unknown
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec
+from kvcr_vllm.router_tier import (
+    HintHashScheme,
+    RouterHintTier,
+    check_control_endpoint,
+    parse_hash_scheme,
+    parse_secondary_tiers,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -22,15 +29,23 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConnectorSettings(EngineSettings):
     """`kv_connector_extra_config`, validated. Unknown keys are errors (typos must not
-    silently disable the cache)."""
+    silently disable the cache); `secondary_tiers` is Dynamo's (kvcr_vllm.router_tier)."""
 
     load: bool = True
     save: bool = True
+    router_hint: RouterHintTier | None = None
+    """Dynamo's router-hint capability, when this worker advertises it."""
+    advertised_endpoint: str | None = None
+    """The control endpoint Dynamo names when this engine is the source (its DP rank's)."""
+    hint_hashes: HintHashScheme = HintHashScheme.KVCR_V1
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str) -> ConnectorSettings:
+    def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str,
+                          dp_rank: int = 0) -> ConnectorSettings:
+        """`dp_rank`: this engine's local data-parallel rank (its entry of control_ports)."""
         field = "kv_connector_extra_config"
-        reject_unknown(extra, field, ENGINE_KEYS | {"load", "save"})
+        reject_unknown(extra, field, ENGINE_KEYS | {"load", "save", "secondary_tiers",
+                                                    "hint_hash_scheme"})
         common = cls.fields_from(extra, field=field,
                                  default_socket=f"\0kvcr-embedded-{engine_id[:36]}")
         flags = {}
@@ -39,7 +54,15 @@ class ConnectorSettings(EngineSettings):
             if not isinstance(value, bool):
                 raise ConfigError(f"{field}.{name}", value, "use true or false")
             flags[name] = value
-        return cls(**common, load=flags["load"], save=flags["save"])
+        tier = parse_secondary_tiers(extra.get("secondary_tiers"), f"{field}.secondary_tiers")
+        if tier is not None:
+            check_control_endpoint(tier, common["mode"], common["peer"], dp_rank,
+                                   f"{field}.secondary_tiers[0]")
+        scheme = parse_hash_scheme(extra.get("hint_hash_scheme"), tier,
+                                   f"{field}.hint_hash_scheme")
+        return cls(**common, load=flags["load"], save=flags["save"], router_hint=tier,
+                   advertised_endpoint=tier.endpoint(dp_rank) if tier else None,
+                   hint_hashes=scheme)
 
 
 def _dtype_name(dtype: object) -> str:

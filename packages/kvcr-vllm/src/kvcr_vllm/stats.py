@@ -22,7 +22,7 @@ from kvcr_core.hints import HINT_OUTCOMES
 
 COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
             "lookup_hit_tokens", "lookups", "peer_fetched_blocks", "pull_lookups",
-            "pulled_blocks", "pulled_bytes")
+            "pulled_blocks", "pulled_bytes", "hint_unmatched_blocks")
 FAILURE_REASONS = ("guard_unavailable", "load_copy", "save_copy", "evicted_before_load",
                    "save_refused", "config", "peer_not_allowed", "peer_fetch", "load_checksum")
 BYPASS_REASONS = ("multimodal", "prompt_embeds", "lora", "cache_salt")
@@ -120,7 +120,9 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 "peer_fetched_blocks": "Blocks fetched from a hinted peer (verified)",
                 "pull_lookups": "Lookups that found a run a peer holds (pull on miss)",
                 "pulled_blocks": "Blocks pulled from peers on a local miss (verified)",
-                "pulled_bytes": "Bytes of those blocks, every TP rank's shard"}
+                "pulled_bytes": "Bytes of those blocks, every TP rank's shard",
+                "hint_unmatched_blocks": "Hinted block hashes that named no block of the "
+                "request (hint_hash_scheme mismatch or another prompt): not fetched"}
         # vLLM types its metric classes as a union of Counter, Gauge and Histogram
         self._counters: dict[str, Any] = {name: self._counter_cls(
             name=f"vllm:kvcr_{name}_total", documentation=doc, labelnames=labelnames)

@@ -34,6 +34,7 @@ from kvcr_core.attach.settings import (
     reject_unknown,
     secret_from,
 )
+from kvcr_core.attach.status import probe_status
 
 __all__ = [
     "DEFAULT_SECRET_ENV",
@@ -56,6 +57,7 @@ __all__ = [
     "ServerConfig",
     "Skipped",
     "hinted_run",
+    "probe_status",
     "reject_unknown",
     "secret_from",
 ]

@@ -1,18 +1,21 @@
 """The status report an operator reads with `kvcr status` (the attach protocol's `Probe`):
 the server's version, its attached clients (by identity, escaped) and every namespace's pool,
-as JSON (fields: docs/monitoring.md). Pure: built from what the caller passes; run on the
-server's loop thread.
+as JSON (fields: docs/monitoring.md). `status_report` is pure (built from what the caller
+passes; run on the server's loop thread); `probe_status` asks a server for it (`kvcr status`,
+and engines that check kvcr-guard's peer endpoint).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from kvcr_core._version import __version__
+from kvcr_core.attach import protocol as p
 from kvcr_core.logs import printable
 from kvcr_core.runner import Runner
 
@@ -42,3 +45,19 @@ def status_report(runner: Runner, *, socket_path: str, started_s: float,
         "identities": sorted(identities),
         "peer_endpoint": peer_endpoint, "pool_bytes": runner.config.pool_bytes,
         "namespaces": namespaces})
+
+
+def probe_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The status of the server on `socket_path` (raises OSError, ConnectionError)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(socket_path)
+        sock.sendall(p.encode_frame(p.Probe(p.PROTOCOL_VERSION)))
+        payload, _ = p.recv_frame(sock)
+    message = p.decode_server(payload)
+    if isinstance(message, p.Goodbye):
+        raise ConnectionError(f"refused ({message.reason}): {message.detail}")
+    if not isinstance(message, p.StatusReport):
+        raise ConnectionError(f"unexpected answer {type(message).__name__}")
+    data: dict[str, Any] = json.loads(message.json)
+    return data

@@ -6,28 +6,13 @@ attached engine identity contains MATCH). Fields: docs/monitoring.md."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from typing import Any
 
 import msgspec
 
 from kvcr_core.attach import protocol as p
-
-
-def fetch_status(socket_path: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect(socket_path)
-        sock.sendall(p.encode_frame(p.Probe(p.PROTOCOL_VERSION)))
-        payload, _ = p.recv_frame(sock)
-    message = p.decode_server(payload)
-    if isinstance(message, p.Goodbye):
-        raise ConnectionError(f"refused ({message.reason}): {message.detail}")
-    if not isinstance(message, p.StatusReport):
-        raise ConnectionError(f"unexpected answer {type(message).__name__}")
-    data: dict[str, Any] = json.loads(message.json)
-    return data
+from kvcr_core.attach.status import probe_status as fetch_status
 
 
 def socket_address(path: str) -> str:
