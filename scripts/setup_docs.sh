@@ -12,10 +12,7 @@ venv="$root/.venv-docs"
 
 make_venv "$venv" setup-docs
 want=$(sha256sum scripts/setup_docs.sh | cut -d' ' -f1)
-if stamp_is "$venv" "$want"; then
-  echo "setup-docs: .venv-docs is up to date"
-  exit 0
-fi
+done_if_stamped "$venv" "$want" setup-docs
 echo "setup-docs: installing MkDocs and the Material theme into $venv (about 20 s)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   "mkdocs==1.6.1" "mkdocs-material==9.8.2" "pymdown-extensions==13.1.2"

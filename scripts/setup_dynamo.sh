@@ -26,10 +26,7 @@ if [ ! -d "$vllm_site/vllm" ]; then
 fi
 make_venv "$venv" setup-dynamo
 want=$(cat scripts/setup_dynamo.sh scripts/dynamo/*.py | sha256sum | cut -d' ' -f1)
-if stamp_is "$venv" "$want"; then
-  echo "setup-dynamo: .venv-dynamo is up to date"
-  exit 0
-fi
+done_if_stamped "$venv" "$want" setup-dynamo
 echo "setup-dynamo: installing ai-dynamo 1.6.1 into $venv (about 15 s)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
   "ai-dynamo-runtime==1.6.1" "ai-dynamo==1.6.1" "redis>=6.2,<9"

@@ -37,10 +37,7 @@ echo "$root/packages/kvcr-sglang/tests/cpu_shims" > "$site/kvcr-cpu-shims.pth"
 
 want=$(cat scripts/setup_sglang.sh packages/kvcr-{core,guard,sglang,bench}/pyproject.toml \
   | sha256sum | cut -d' ' -f1)
-if stamp_is "$venv" "$want"; then
-  echo "setup-sglang: .venv-sglang is up to date"
-  exit 0
-fi
+done_if_stamped "$venv" "$want" setup-sglang
 echo "setup-sglang: installing kvcr packages (editable) into $venv"
 "${pip[@]}" -e "packages/kvcr-core[test]" -e packages/kvcr-guard -e packages/kvcr-sglang \
   -e packages/kvcr-bench

@@ -14,6 +14,14 @@ stamp_is() {
   [ -f "$1/.kvcr-setup-stamp" ] && [ "$(cat "$1/.kvcr-setup-stamp")" = "$2" ]
 }
 
+# done_if_stamped DIR HASH LABEL: ends the calling script when DIR is set up for HASH.
+done_if_stamped() {
+  if stamp_is "$1" "$2"; then
+    echo "$3: $(basename "$1") is up to date"
+    exit 0
+  fi
+}
+
 # stamp DIR HASH: records that the venv DIR is set up for HASH.
 stamp() {
   echo "$2" > "$1/.kvcr-setup-stamp"

@@ -11,7 +11,6 @@ Skipped (failed where CI=true) without .venv-dynamo: bash scripts/setup_dynamo.s
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_bench import dynamo_rig
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -52,12 +50,8 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    reason = dynamo_rig.missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+def fleet(dynamo_venv: None, tiny_model: str,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     rig = DynamoRig(Path(tmp_path_factory.mktemp("dynamo")), tiny_model)
     port_a, port_b = low_port(), low_port()
 

@@ -7,7 +7,6 @@ Skipped (failed where CI=true) without .venv-dynamo: bash scripts/setup_dynamo.s
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import sys
 import time
@@ -19,7 +18,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_bench import dynamo_rig
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 from kvcr_bench.vllm_servers import Process
 
@@ -51,12 +49,8 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def node(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    reason = dynamo_rig.missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+def node(dynamo_venv: None, tiny_model: str,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     workdir = Path(tmp_path_factory.mktemp("dynamo-guarded"))
     rig = DynamoRig(workdir, tiny_model)
     port = low_port()

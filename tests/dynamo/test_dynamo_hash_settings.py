@@ -9,7 +9,6 @@ Skipped (failed where CI=true) without .venv-dynamo: bash scripts/setup_dynamo.s
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_bench import dynamo_rig
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -27,13 +25,8 @@ SECRET = "dynamo-hashes-peer-secret-0123456789-abcd"
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+def workers(dynamo_venv: None, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[DynamoRig, Worker, Worker, Worker]]:
-    reason = dynamo_rig.missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
     rig = DynamoRig(Path(tmp_path_factory.mktemp("dynamo-hashes")), tiny_model)
     ports = {name: low_port() for name in "abc"}
 

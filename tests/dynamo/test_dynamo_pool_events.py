@@ -7,7 +7,6 @@ CPU_PINNED) and the router applies it. Skipped (failed where CI=true) without .v
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_bench import dynamo_rig
 from kvcr_bench.dynamo_rig import DynamoRig, Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -25,13 +23,8 @@ REMOVED = "dynamo_component_kv_cache_events_applied_total"
 
 
 @pytest.fixture(scope="module")
-def small_pool(tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+def small_pool(dynamo_venv: None, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[tuple[DynamoRig, Worker]]:
-    reason = dynamo_rig.missing()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
     rig = DynamoRig(Path(tmp_path_factory.mktemp("dynamo-events")), tiny_model)
     try:
         rig.frontend()
