@@ -95,21 +95,22 @@ def metric(text: str, name: str, **labels: str) -> float:
 class Worker(Process):
     """A dynamo.vllm worker; `instance_id` is what `nvext.backend_instance_id` pins to."""
 
-    def __init__(self, rig: DynamoRig, name: str, extra: dict[str, Any],
+    def __init__(self, rig: DynamoRig, name: str, extra: dict[str, Any] | None,
                  env: dict[str, str], args: tuple[str, ...] = ()) -> None:
         self.name = name
         self.system_port = low_port()
         self.events_port = low_port()
-        kv = {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": extra}
+        kv = [] if extra is None else [  # None: a vanilla worker, no KV connector
+            "--kv-transfer-config", json.dumps({"kv_connector": "KVCRConnector",
+                                                "kv_role": "kv_both",
+                                                "kv_connector_extra_config": extra})]
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{self.events_port}"}
         super().__init__([
             str(VENV / "bin" / "dynamo-vllm"), "--model", rig.model, "--served-model-name",
             "model", "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
             "--enforce-eager", "--max-num-seqs", "4", *PLANES,
-            "--kv-events-config", json.dumps(events), "--kv-transfer-config", json.dumps(kv),
-            *args],
+            "--kv-events-config", json.dumps(events), *kv, *args],
             rig.workdir / f"{name}.log",
             {**rig.env, "DYN_SYSTEM_PORT": str(self.system_port), **env})
 
@@ -164,10 +165,10 @@ class DynamoRig:
         self.processes.append(proc)
         return proc
 
-    def worker(self, name: str, extra: dict[str, Any], env: dict[str, str] | None = None,
-               args: tuple[str, ...] = ()) -> Worker:
-        """A worker with kvcr (`extra`: its kv_connector_extra_config; `args`: more vLLM
-        flags)."""
+    def worker(self, name: str, extra: dict[str, Any] | None,
+               env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> Worker:
+        """A worker with kvcr (`extra`: its kv_connector_extra_config; None: no connector,
+        vanilla vLLM; `args`: more vLLM flags)."""
         worker = Worker(self, name, extra, env or {}, args)
         self.processes.append(worker)
         return worker

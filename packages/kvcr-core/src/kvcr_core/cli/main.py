@@ -1,7 +1,7 @@
 """`kvcr`: the operator's and router author's command line.
 
 Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
-sglang, pull), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `secret generate`,
+sglang, pull, dynamo), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `secret generate`,
 `status --socket PATH`, `--version`. Each subcommand lives in its own module and is imported
 only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
@@ -75,6 +75,7 @@ BENCHMARKS = {
     "vllm": "TTFT on real vLLM: recompute / local hit / kvcr / ExampleConnector",
     "sglang": "HiCache v1 throughput vs SGLang's file backend vs memcpy",
     "pull": "cross-node reuse on real vLLM: pull on miss vs a hint vs a local hit",
+    "dynamo": "multi-turn TTFT through NVIDIA Dynamo's KV router: vanilla vs kvcr workers",
 }
 
 
