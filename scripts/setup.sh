@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (pip + venv, as docs/FACTS require for the vLLM venv later) and installs the
+# Creates .venv (pip + venv: vLLM's CPU build is installed with pip, not uv) and installs the
 # kvcr packages editable with their test tools. Idempotent: a stamp of the package manifests
 # skips the install when nothing changed.
 set -euo pipefail

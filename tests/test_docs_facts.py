@@ -69,8 +69,8 @@ def test_every_package_has_license_classifiers_and_urls() -> None:
 
 
 def test_package_readmes_link_only_absolute_urls() -> None:
-    """Risk: a package README (its PyPI page) links `../../docs/...`, which breaks outside
-    the repository."""
+    """Risk: a package README (its PyPI page) links a relative path into the repository's docs,
+    which breaks outside the repository."""
     for package in PACKAGES:
         links = re.findall(r"\]\(([^)\s]+)\)", (package / "README.md").read_text())
         assert all(link.startswith("https://") for link in links), (package.name, links)
