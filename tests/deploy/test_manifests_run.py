@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
                          "root")]
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: the environment the pods use
 MODEL_CLAIM = "kvcr-models"
 CLUSTER_NAMESPACE = "kvcr"
 WORDS = ["def", "class", "return", "import", "lambda", "yield", "async", "await", "value",
@@ -119,7 +120,7 @@ def make_pods(docs: list[dict[str, Any]], network: PodNetwork, tmp_path: Path,
         labels = workload["spec"]["template"]["metadata"].get("labels", {})
         for pod_name, spec in workload_pods(workload):
             pod = Pod(pod_name, spec, network, tmp_path, sources, environment_path(BIN),
-                      on_this_machine)
+                      on_this_machine, keep=REPO)
             pod.labels = labels
             pods[pod_name] = pod
     names = dns_names(docs, pods)

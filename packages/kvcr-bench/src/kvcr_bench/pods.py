@@ -125,8 +125,10 @@ class Pod:
     this machine; whatever it changes is the caller's to say."""
 
     def __init__(self, name: str, spec: Doc, network: PodNetwork, workdir: Path,
-                 sources: Sources, path: str, adapt: Adapt | None = None) -> None:
+                 sources: Sources, path: str, adapt: Adapt | None = None,
+                 keep: Path | None = None) -> None:
         self.name, self.spec, self.sources = name, spec, sources
+        self.keep = keep  # a host folder containers need at its own path (the environment)
         self.labels: dict[str, str] = {}  # the template's, for Service selectors
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True)
@@ -189,13 +191,24 @@ class Pod:
         lines = ["set -e"]
         for name in ("hosts", "passwd", "group"):
             lines.append(f"mount --bind {self.workdir / name} /etc/{name}")
-        for mount in container.spec.get("volumeMounts", []):
+        mounts = container.spec.get("volumeMounts", [])
+        keep = self.keep
+        hidden = keep is not None and any(
+            Path(m["mountPath"]) in (keep, *keep.parents) for m in mounts)
+        stage = Path("/run") / f"kvcr-pods-keep-{os.getpid()}"
+        if hidden:  # a volume mounts over the environment (a clone under /tmp): set it aside
+            self._mount_point(stage)
+            lines.append(f"mount --bind {shlex.quote(str(keep))} {stage}")
+        for mount in mounts:
             target = mount["mountPath"]
             self._mount_point(Path(target))
             lines.append(f"mount --bind {shlex.quote(str(self.volumes[mount['name']]))} "
                          f"{shlex.quote(target)}")
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        if hidden:  # and put it back where it was, inside the volume
+            lines.append(f"mkdir -p {shlex.quote(str(keep))}")
+            lines.append(f"mount --bind {stage} {shlex.quote(str(keep))}")
         if container.spec.get("securityContext", {}).get("readOnlyRootFilesystem"):
             lines.append("mount -o remount,bind,ro /")
         lines.append(f"cd {shlex.quote(container.spec.get('workingDir', '/'))}")
