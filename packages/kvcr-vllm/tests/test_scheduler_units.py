@@ -22,6 +22,7 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
 from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
+from kvcr_vllm.metadata import LoadsDone
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -81,7 +82,8 @@ class Node:
     """A scheduler over `tp` ranks of one in-process Runner, optionally with peers."""
 
     def __init__(self, tp: int = 1, *, sources: dict[str, Runner | None] | None = None,
-                 answer_after_polls: int = 1, extra: dict[str, Any] | None = None) -> None:
+                 answer_after_polls: int = 1, extra: dict[str, Any] | None = None,
+                 synchronous_loads: bool = False) -> None:
         self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
                              registry=CollectorRegistry())
         self.specs = [spec(r, tp) for r in range(tp)]
@@ -94,7 +96,8 @@ class Node:
             {"mode": "guarded", "socket": "/run/kvcr/unused.sock",
              "peers": list(sources or {}), "fetch_deadline_s": 2, **(extra or {})}, "e")
         self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
-                                                clients=self.clients, clock=self.clock)
+                                                clients=self.clients, clock=self.clock,
+                                                synchronous_loads=synchronous_loads)
 
     def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
         return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))
@@ -143,6 +146,36 @@ def test_a_hit_loads_asynchronously_under_a_lease_released_when_the_load_ends() 
     finished, params = sched.request_finished(request, [])
     assert not finished and params == {"kvcr_loaded_tokens": 16, "kvcr_saved_blocks": 6}
     assert node.counters()["lookup_hit_tokens"] == 16
+
+
+def test_a_synchronous_load_runs_in_its_step_and_its_lease_ends_when_the_step_did() -> None:
+    """Risk (host KV caches load in the step that runs the request): a lease released before
+    the workers copied (the blocks could be evicted and overwritten mid-copy) or never; a hit
+    that leaves vLLM no token to compute (a whole-prompt hit must stop one token short)."""
+    node = Node(tp=2, synchronous_loads=True)
+    node.stock(TOKENS[:32])  # all 8 full blocks in kvcr; the prompt has 33 tokens
+    sched = node.scheduler
+    whole = FakeRequest("r0", TOKENS[:32])
+    sched.on_new_request(whole)
+    assert sched.get_num_new_matched_tokens(whole, 0) == (31, False)  # vLLM computes token 32
+    request = FakeRequest("r1", TOKENS)
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 8) == (24, False)  # blocks 2..7
+    sched.update_state_after_alloc(request, Blocks(list(range(10, 19))), 24)
+    meta = sched.build_connector_meta(output())
+    (plan,) = meta.loads
+    assert plan.synchronous and plan.block_ids == (12, 13, 14, 15, 16, 17)
+    stores = [client.store for client in node.clients]
+    assert [s.index.open_leases for s in stores] == [1, 1]
+    sched.update_connector_output(SimpleNamespace(finished_recving=None,
+                                                  kv_connector_worker_meta=None))
+    assert [s.index.open_leases for s in stores] == [1, 1]  # that step did not carry it
+    done = LoadsDone(frozenset({"r1"})).aggregate(LoadsDone(frozenset({"other"})))
+    sched.update_connector_output(SimpleNamespace(finished_recving=None,
+                                                  kv_connector_worker_meta=done))
+    assert [s.index.open_leases for s in stores] == [0, 0]
+    finished, params = sched.request_finished(request, [])
+    assert not finished and params == {"kvcr_loaded_tokens": 24, "kvcr_saved_blocks": 8}
 
 
 @pytest.mark.parametrize("params", ["kv_hint", ["kv_hint"], 7, {"kv_hint": ["x"]},

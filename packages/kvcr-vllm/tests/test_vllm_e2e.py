@@ -79,6 +79,13 @@ def test_cross_engine_reuse_is_exact_and_really_used(guard, run_engine, tiny_mod
     (c,) = run_engine("plugin", [{"tokens": PROMPT}], guarded(guard.socket))
     assert c["metrics"]["vllm:external_prefix_cache_hits"] >= FULL_BLOCK_TOKENS - 32
     assert c["tokens"] != plain["tokens"]
+    # The same corrupted pool with verify_loads: blocks fail their check inside the step
+    # that loads them (host caches load synchronously), vLLM drops that step's token and
+    # recomputes, and the output is the recompute's (risk: a failed synchronous load served)
+    verified = {**guarded(guard.socket), "kvcr": {"verify_loads": True}}
+    (d,) = run_engine("plugin", [{"tokens": PROMPT}], verified)
+    assert d["metrics"]["vllm:kvcr_failures{reason=load_checksum}"] >= len(PROMPT) // 32 - 1
+    assert d["tokens"] == plain["tokens"]
 
 
 def test_sigkilled_engine_restarts_warm(guard, run_engine, start_engine) -> None:

@@ -36,8 +36,11 @@ def make_worker(socket: str, stats: StatsRecorder) -> KVCRConnectorWorker:
     return KVCRConnectorWorker(settings, SPEC, 0, 2 * PAGE, NUM_BLOCKS, stats, "engine")
 
 
-def test_save_then_load_moves_exact_pages_between_engines(guard) -> None:
-    """Engine A's blocks 3..6 saved; engine B loads them into blocks 9..12 byte-exactly."""
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_save_then_load_moves_exact_pages_between_engines(guard, synchronous: bool) -> None:
+    """Engine A's blocks 3..6 saved; engine B loads them into blocks 9..12 byte-exactly and
+    reports the load done where vLLM looks for it (risk: a synchronous load reported as an
+    asynchronous one trips vLLM's scheduler, or its lease is never released)."""
     keys = sequence_keys(SPEC, list(range(4 * BLOCK)))
     a_caches, b_caches = kv_caches(1), kv_caches(2)
     a, b = make_worker(guard.socket, StatsRecorder()), make_worker(guard.socket, StatsRecorder())
@@ -50,8 +53,15 @@ def test_save_then_load_moves_exact_pages_between_engines(guard) -> None:
     assert lease.granted == 4
     reader.release(lease.op)
     b.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
-        "r2", (9, 10, 11, 12), (tuple(s for s in lease.slots if s is not None),))]))
-    assert b.get_finished(set()) == (None, {"r2"}) and b.get_block_ids_with_load_errors() == set()
+        "r2", (9, 10, 11, 12), (tuple(s for s in lease.slots if s is not None),),
+        synchronous=synchronous)]))
+    done = b.loads_done()
+    if synchronous:
+        assert b.get_finished(set()) == (None, None) and done is not None
+        assert done.req_ids == {"r2"} and b.loads_done() is None
+    else:
+        assert b.get_finished(set()) == (None, {"r2"}) and done is None
+    assert b.get_block_ids_with_load_errors() == set()
     for layer in a_caches:
         assert torch.equal(b_caches[layer][9:13], a_caches[layer][3:7])
     reader.close()

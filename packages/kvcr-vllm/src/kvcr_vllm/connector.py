@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -98,7 +99,8 @@ class KVCRConnector(KVConnectorBase_V1):
             self._scheduler = KVCRConnectorScheduler(
                 self.settings, specs, block_bytes, self.stats, engine_id,
                 peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
-                publish_events=bool(events is not None and events.enable_kv_cache_events))
+                publish_events=bool(events is not None and events.enable_kv_cache_events),
+                synchronous_loads=vllm_config.device_config.device_type == "cpu")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -143,7 +145,11 @@ class KVCRConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-block and asynchronous: done before the request runs
+        return  # loads copy whole blocks in start_load_kv, before the forward pass
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.loads_done()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
     """Copy pool slots into vLLM blocks; `failed_block_ids` could not be leased (recompute).
-    `checksums_by_rank`: each slot's committed checksum, when loads are verified."""
+    `checksums_by_rank`: each slot's committed checksum, when loads are verified.
+    `synchronous`: the request runs in the step that loads it (the copy precedes the
+    forward pass; the workers report it done in `LoadsDone`), else it waits in vLLM's
+    WAITING_FOR_REMOTE_KVS until the workers report it through `get_finished`."""
 
     req_id: str
     block_ids: tuple[int, ...]
     slots_by_rank: tuple[tuple[int, ...], ...]
     failed_block_ids: tuple[int, ...] = ()
     checksums_by_rank: tuple[tuple[int, ...], ...] = ()
+    synchronous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,3 +44,17 @@ class SavePlan:
 class KVCRConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = dataclasses.field(default_factory=list)
     saves: list[SavePlan] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class LoadsDone(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the requests whose synchronous loads this step copied. vLLM hands
+    the scheduler one step's metadata only once every TP rank finished that step, so the
+    union over ranks is complete: the scheduler then releases the loads' leases."""
+
+    req_ids: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, LoadsDone):
+            return self
+        return LoadsDone(self.req_ids | other.req_ids)

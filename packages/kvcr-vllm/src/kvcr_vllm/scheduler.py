@@ -6,10 +6,14 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
 - Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per TP rank's
   namespace. Requests whose KV depends on more than token ids (multimodal inputs, prompt
   embeddings, LoRA, cache_salt) bypass kvcr, counted: nothing wrong is ever served.
-- Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit and
-  answers asynchronously (`(n, True)`), so a load never stalls other requests.
+- Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit.
   `update_state_after_alloc` leases the blocks (no eviction while loading) and plans the copy;
-  leases are released when the workers report the load finished.
+  leases are released when the workers report the load done. Host KV caches load
+  synchronously (`(n, False)`): the workers copy before the forward pass of the step that
+  runs the request, so a hit costs no extra engine step (an asynchronous load parks the
+  request for a whole step, which under load is another batch's forward pass); at most
+  `num_tokens - 1` tokens, vLLM computes the last one. Device caches answer asynchronously
+  (`(n, True)`, the whole prompt; vLLM recomputes the last token itself).
 - Save: every step, the full blocks whose KV the step completes (prompt and generated tokens;
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
@@ -53,7 +57,7 @@ from kvcr_core.attach import (
 from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
-from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone, SavePlan
 from kvcr_vllm.pool_events import PoolEvents
 from kvcr_vllm.request_hints import block_hint_hashes, raw_hint
 from kvcr_vllm.settings import ConnectorSettings
@@ -106,11 +110,12 @@ class KVCRConnectorScheduler:
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
                  peer_endpoint: str | None = None,
                  clients: Sequence[AttachClient] | None = None,
-                 publish_events: bool = False,
+                 publish_events: bool = False, synchronous_loads: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """One attach client per TP rank's namespace (`clients`: given by tests); the
         embedded Runner's `peer_endpoint` is reported in each finished request's params;
-        `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events)."""
+        `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
+        `synchronous_loads`: load in the step that runs the request (host KV caches)."""
         self.settings = settings
         self.specs = specs
         self.block_size = specs[0].block_size_tokens
@@ -123,6 +128,7 @@ class KVCRConnectorScheduler:
         self.fetcher = HintedFetcher(self.clients, settings.peer.peers,
                                      settings.peer.fetch_deadline_s, clock=clock)
         self.peer_endpoint = peer_endpoint
+        self.synchronous_loads = synchronous_loads
         runner = settings.runner
         self.hints = HintIntake(stats, HintLimits(max_actions=runner.max_hint_actions,
                                                   max_hashes=runner.max_hint_hashes,
@@ -194,6 +200,8 @@ class KVCRConnectorScheduler:
         if hit <= local_blocks:
             return 0, False
         state.local_tokens = num_computed_tokens
+        if self.synchronous_loads:  # the step that loads computes at least the last token
+            return min(hit * bs, request.num_tokens - 1) - num_computed_tokens, False
         return hit * bs - num_computed_tokens, True
 
     # -- hints -------------------------------------------------------------------------------
@@ -310,7 +318,8 @@ class KVCRConnectorScheduler:
         self._pending_loads.append(LoadPlan(
             request.request_id, tuple(block_ids[:granted]),
             tuple(tuple(int(s) for s in r[:granted] if s is not None) for r in slots),
-            tuple(block_ids[granted:]), tuple(s[:granted] for s in sums) if verify else ()))
+            tuple(block_ids[granted:]), tuple(s[:granted] for s in sums) if verify else (),
+            self.synchronous_loads))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
         meta = KVCRConnectorMetadata(self._pending_loads, [])
@@ -353,7 +362,9 @@ class KVCRConnectorScheduler:
             self.events.track(state.request, first, full, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for req_id in output.finished_recving or ():
+        done = getattr(output, "kv_connector_worker_meta", None)
+        loaded = done.req_ids if isinstance(done, LoadsDone) else ()
+        for req_id in (*(output.finished_recving or ()), *loaded):
             state = self._requests.get(req_id)
             if state is None:
                 continue

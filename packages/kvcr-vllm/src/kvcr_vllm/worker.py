@@ -4,9 +4,10 @@ Copies whole block pages as opaque bytes (vLLM's CPU page layout depends on the 
 vLLM's KV tensors and the kvcr pool mapped from the Runner (embedded or kvcr-guard). A block's
 slot holds every layer's page back to back, in vLLM's layer order.
 
-Copies run inline in the engine thread, at memcpy speed: loads in `start_load_kv` (the request
-is parked in WAITING_FOR_REMOTE_KVS, so the scheduler never waits for it: the load is
-asynchronous where it matters), saves in `wait_for_save` after the forward pass wrote the
+Copies run inline in the engine thread, at memcpy speed: loads in `start_load_kv` (host KV
+caches: synchronous, before the forward pass of the very step that runs the request, reported
+done through `loads_done`; device caches: the request waits in WAITING_FOR_REMOTE_KVS and is
+reported through `get_finished`), saves in `wait_for_save` after the forward pass wrote the
 step's KV. Measured here: a separate copy thread ran 5-100x slower, starved by the engine's
 OpenMP threads; inline, 32 MiB move in ~5 ms. A save reserves its keys (one overlapped round
 trip for all of the step's plans), copies what it was granted and commits with each block's
@@ -29,7 +30,7 @@ from kvcr_core import BlockKey, Reservation, SlotId
 from kvcr_core.attach import AttachClient, Handle, RunnerUnavailable
 from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.keys import NamespaceSpec
-from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone, SavePlan
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
@@ -67,6 +68,7 @@ class KVCRConnectorWorker:
         self._pool_rows: torch.Tensor | None = None
         self._pool_attach = -1
         self._done_recving: set[str] = set()
+        self._done_sync: set[str] = set()
         self._load_errors: set[int] = set()
         self._disabled = ""
 
@@ -149,6 +151,11 @@ class KVCRConnectorWorker:
         recving, self._done_recving = self._done_recving, set()
         return None, recving or None
 
+    def loads_done(self) -> LoadsDone | None:
+        """The synchronous loads this step copied (or failed: their blocks are load errors)."""
+        done, self._done_sync = self._done_sync, set()
+        return LoadsDone(frozenset(done)) if done else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -164,7 +171,7 @@ class KVCRConnectorWorker:
     def _load(self, plan: LoadPlan) -> None:
         start = time.perf_counter()
         self._load_errors.update(plan.failed_block_ids)
-        self._done_recving.add(plan.req_id)
+        (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
         if not plan.block_ids:
             return
         try:
