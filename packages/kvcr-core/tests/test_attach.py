@@ -124,3 +124,39 @@ def test_an_embedded_runner_fetches_hinted_blocks_by_ticket_and_stops_its_fetche
         embedded.stop()
     with pytest.raises(RuntimeError):  # its fetch threads are gone with the Runner
         peer_clients[0].fetch_async(server.endpoint, keys[:1], 1.0)
+
+
+def test_an_engine_attaches_at_start_up_through_a_slow_namespace_open() -> None:
+    """Risk: the first request pays the attach (a `--prefault` Runner backs a whole namespace
+    pool before its Welcome, seconds for a large pool, longer than an operation's timeout, so
+    that request recomputed and counted a fault). At start-up an engine waits for the
+    Welcome as long as it needs; a Runner not there yet is no error."""
+    import threading
+    import time
+
+    from kvcr_core.attach import AttachServer
+
+    socket_path = f"\0kvcr-start-attach-{os.getpid()}"
+    early = AttachClient(socket_path, SPEC, BLOCK, identity="early")
+    assert early.try_attach(30.0) is False  # nobody there yet
+    client = AttachClient(socket_path, SPEC, BLOCK, identity="test", timeout_s=0.02)
+    pool = 1 << 30
+    server = AttachServer(ServerConfig(socket_path=socket_path, prefault=True,
+                                       runner=KVCRConfig(pool_bytes=pool,
+                                                         namespace_pool_bytes=pool)))
+    server.listen()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        assert client.try_attach(30.0) is True
+        assert time.monotonic() - start > client.timeout_s  # the open outlasted an op timeout
+        assert client.timeout_s == 0.02  # operations keep their own timeout
+        keys = list(block_keys(SPEC.digest(), list(range(8)), 4))
+        assert client.lookup(keys) == 0 and client.attach_count == 1  # no second handshake
+        assert early.lookup(keys) == 0  # a failed start-up attempt: the first use attaches
+    finally:
+        early.close()
+        client.close()
+        server.request_shutdown()
+        thread.join(timeout=10)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,10 +55,6 @@ def corrupt_pool(model: str, socket: str, tokens: list[int]) -> int:
 
 
 def block_bytes_from_stats(socket: str, spec) -> int:
-    import subprocess
-    import sys
-    from pathlib import Path
-
     kvcr = str(Path(sys.executable).parent / "kvcr")
     status = json.loads(subprocess.run([kvcr, "status", "--socket", socket, "--json"],
                                        capture_output=True, text=True, check=True).stdout)
@@ -98,6 +97,19 @@ def test_sigkilled_engine_restarts_warm(guard, run_engine, start_engine) -> None
     (again,) = run_engine("plugin", [{"tokens": PROMPT[:1100]}], guarded(guard.socket))
     assert again["metrics"]["vllm:external_prefix_cache_hits"] >= (1100 // 32 - 1) * 32
     assert again["tokens"] == served["tokens"]
+    # An engine attaches at start-up, before any request (risk: the first request paying
+    # the attach, or a prefaulting daemon's namespace open)
+    idle = start_engine("plugin", [], guarded(guard.socket), hold=True)
+    try:
+        assert next_json(idle) == {"holding": True}
+        status = json.loads(subprocess.run(
+            [str(Path(sys.executable).parent / "kvcr"), "status", "--socket", guard.socket,
+             "--json"], capture_output=True, text=True, check=True).stdout)
+        engine = [i for i in status["identities"] if i.startswith("vllm-")]
+        assert any("scheduler" in i for i in engine) and any("worker" in i for i in engine)
+    finally:
+        idle.kill()
+        idle.wait(timeout=30)
 
 
 def test_guard_down_recomputes_and_counts(short_tmp, run_engine) -> None:

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcr_core.attach import Mode, probe_status
+from kvcr_core.attach import AttachClient, Mode, probe_status
 from kvcr_vllm import SUPPORTED_VLLM
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcr_vllm")
+STARTUP_ATTACH_TIMEOUT_S = 60.0  # a Runner opening (and prefaulting) a large namespace pool
 
 
 def check_vllm_version() -> None:
@@ -60,6 +61,16 @@ def check_vllm_version() -> None:
             f"kvcr-vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; this is "
             f"vLLM {vllm.__version__}. Install a matching kvcr-vllm, or remove KVCRConnector "
             "from --kv-transfer-config.")
+
+
+def attach_at_start(clients: Iterable[AttachClient], socket: str) -> None:
+    """Attaches at engine start, so the first request pays no attach: the namespace opens
+    (a `--prefault` kvcr-guard backs its whole pool then, seconds for large pools) and the
+    pool is mapped. A Runner not there yet is no error: the first use attaches."""
+    for client in clients:
+        if not client.try_attach(STARTUP_ATTACH_TIMEOUT_S):
+            log.info("kvcr: no Runner answering at %s yet; attaching on first use", socket)
+            return
 
 
 class KVCRConnector(KVConnectorBase_V1):
@@ -101,6 +112,7 @@ class KVCRConnector(KVConnectorBase_V1):
                 peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
                 publish_events=bool(events is not None and events.enable_kv_cache_events),
                 synchronous_loads=vllm_config.device_config.device_type == "cpu")
+            attach_at_start(self._scheduler.clients, self.settings.socket)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -137,6 +149,8 @@ class KVCRConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        # an embedded Runner starts with the scheduler side, after this: it attaches later
+        attach_at_start([self._worker.client], self.settings.socket)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

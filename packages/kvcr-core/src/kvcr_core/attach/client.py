@@ -101,6 +101,27 @@ class AttachClient:
             assert self._attachment is not None
             return self._attachment
 
+    def try_attach(self, handshake_timeout_s: float = 0.0) -> bool:
+        """Attaches now if the Runner answers, waiting up to `handshake_timeout_s` (when
+        longer than `timeout_s`) for its Welcome: at engine start-up, so the namespace opens
+        (and a prefaulting Runner backs its pages) before the first request, not during it.
+        False if not attached: the first use tries again."""
+        with self._lock:
+            if self._sock is not None:
+                return True
+            normal = self.timeout_s
+            self.timeout_s = max(normal, handshake_timeout_s)
+            self._next_attempt = 0.0
+            try:
+                self._ensure_attached()
+            except RunnerUnavailable:
+                return False
+            finally:
+                self.timeout_s = normal
+            assert self._sock is not None
+            self._sock.settimeout(normal)
+            return True
+
     def _ensure_attached(self) -> None:
         if self._closed:
             raise RunnerUnavailable("closed", "the client was closed by its owner")
