@@ -9,7 +9,8 @@ reset_prefix_cache), `hold` (then wait to be killed), `multiprocess` (true: the 
 a child process, as `vllm serve` runs it; default in-process) and `bad_extra` (first try an
 invalid extra config and report the start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
-kv_transfer_params, and the engine's kvcr / prefix-cache metrics after it.
+kv_transfer_params, the engine's kvcr / prefix-cache metrics after it, and how long the
+engine took to start.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def main() -> None:
             print(json.dumps({"bad_extra_error": None}), flush=True)
         except Exception as exc:  # the start-up error a user would see
             print(json.dumps({"bad_extra_error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    began = time.perf_counter()
     llm = make_llm(job, job.get("extra", {}))
+    engine_start_s = time.perf_counter() - began
     for req in job["requests"]:
         if req.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # drop vLLM's own cache: a hit now can only be kvcr's
@@ -109,7 +112,8 @@ def main() -> None:
             out = llm.generate([{"prompt_token_ids": req["tokens"]}], sp, use_tqdm=False)[0]
         print(json.dumps({"tokens": list(out.outputs[0].token_ids),
                           "cached": out.num_cached_tokens, "seconds": time.perf_counter() - start,
-                          "params": out.kv_transfer_params, "metrics": metrics(llm)}), flush=True)
+                          "params": out.kv_transfer_params, "metrics": metrics(llm),
+                          "engine_start_s": engine_start_s}), flush=True)
     if job.get("hold"):
         print(json.dumps({"holding": True}), flush=True)
         time.sleep(3600)

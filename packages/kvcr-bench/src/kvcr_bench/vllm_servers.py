@@ -65,10 +65,14 @@ class Process:
 
 
 class GuardProcess(Process):
-    def __init__(self, workdir: Path, pool_bytes: str = "2GiB") -> None:
+    def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False
+                 ) -> None:
+        """`prefault`: back each namespace's pool when it opens (`--prefault`, as the
+        Kubernetes manifests run it), so no copy pays first-touch page faults."""
         self.socket = str(workdir / "guard.sock")
         super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
-                          "--pool-bytes", pool_bytes, "--log-level", "WARNING"],
+                          "--pool-bytes", pool_bytes, "--log-level", "WARNING",
+                          *(["--prefault"] if prefault else [])],
                          workdir / "guard.log")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
