@@ -68,7 +68,7 @@ class EventJob:
 
     def done(self) -> bool:
         try:
-            return bool(self.event.query())
+            return bool(self.event.query())  # type: ignore[no-untyped-call]
         except RuntimeError as exc:  # a CUDA error surfaced by the poll
             raise CopyFailed(f"CUDA copy failed: {exc}") from exc
 
@@ -98,7 +98,8 @@ class CudaCopyEngine:
     def pin_pool(self, region: HostRegion) -> torch.Tensor:
         flat = torch.frombuffer(region.view, dtype=torch.uint8)
         address, size = flat.data_ptr(), flat.numel()
-        error = int(torch.cuda.cudart().cudaHostRegister(address, size, _REGISTER_PORTABLE))
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        error = int(cudart.cudaHostRegister(address, size, _REGISTER_PORTABLE))
         if error == 0:
             self._pinned.add(address)
             return flat
@@ -112,11 +113,12 @@ class CudaCopyEngine:
     def unpin_pool(self, pool: torch.Tensor) -> None:
         address = pool.data_ptr()
         try:
-            self._stream.synchronize()  # type: ignore[no-untyped-call]
+            self._stream.synchronize()
         finally:  # even after a CUDA error: never leave a registration behind an unmap
             if address in self._pinned:
                 self._pinned.discard(address)
-                error = int(torch.cuda.cudart().cudaHostUnregister(address))
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+                error = int(cudart.cudaHostUnregister(address))
                 if error != 0:
                     log.warning("kvcr: cudaHostUnregister failed (cudaError %d)", error)
 
@@ -150,7 +152,7 @@ class CudaCopyEngine:
             dst.copy_(src)
 
     def record(self) -> CopyJob:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream)
         return EventJob(event)
 
@@ -159,4 +161,4 @@ class CudaCopyEngine:
 
     def drain(self) -> None:
         """Blocks until every copy issued so far completed."""
-        self._stream.synchronize()  # type: ignore[no-untyped-call]
+        self._stream.synchronize()

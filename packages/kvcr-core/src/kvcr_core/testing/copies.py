@@ -28,6 +28,7 @@ from kvcr_core.memory import HostRegion
 if TYPE_CHECKING:
     import torch
 
+_Copies = tuple[list[tuple["torch.Tensor", "torch.Tensor"]], bool]  # (pairs, fail them)
 _WAIT_S = 30.0  # a job no test releases in this long is a test bug: fail instead of hanging
 
 
@@ -67,7 +68,7 @@ class ThreadedCopyEngine:
         self._failure: BaseException | None = None
         self._gate = threading.Event()
         self._gate.set()
-        self._queue: queue.Queue[tuple[str, object] | None] = queue.Queue()
+        self._queue: queue.Queue[_Copies | ThreadJob | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvcr-test-copies")
         self._thread.start()
 
@@ -113,11 +114,11 @@ class ThreadedCopyEngine:
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         fail, self._fail_next = self._fail_next, False
-        self._queue.put(("copy", (list(pairs), fail)))
+        self._queue.put((list(pairs), fail))
 
     def record(self) -> CopyJob:
         job = ThreadJob()
-        self._queue.put(("mark", job))
+        self._queue.put(job)
         return job
 
     def fence(self) -> None:
@@ -126,12 +127,11 @@ class ThreadedCopyEngine:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             self._gate.wait()
-            _, payload = item
-            if isinstance(payload, ThreadJob):
-                payload.finish(self._failure)
+            if isinstance(item, ThreadJob):
+                item.finish(self._failure)
                 self._failure = None
                 continue
-            pairs, fail = payload  # type: ignore[misc]
+            pairs, fail = item
             try:
                 if fail:
                     raise CopyFailed("an injected copy failure")
