@@ -130,12 +130,15 @@ class ThreadedCopyEngine:
             if isinstance(item, ThreadJob):
                 item.finish(self._failure)
                 self._failure = None
-                continue
-            pairs, fail = item
-            try:
-                if fail:
-                    raise CopyFailed("an injected copy failure")
-                for dst, src in pairs:
-                    dst.copy_(src)
-            except Exception as exc:  # reported by the next job, as a stream error would be
-                self._failure = exc
+            else:
+                self._execute(*item)
+            item = None  # hold no view of a pool between items (it would delay its unmap)
+
+    def _execute(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], fail: bool) -> None:
+        try:
+            if fail:
+                raise CopyFailed("an injected copy failure")
+            for dst, src in pairs:
+                dst.copy_(src)
+        except Exception as exc:  # reported by the next job, as a stream error would be
+            self._failure = exc.with_traceback(None)  # no frame (and no pool view) kept
