@@ -30,6 +30,7 @@ import torch
 from kvcr_bench.copies import KIB, MIB, meets
 from kvcr_core.copyengine import CopyEngine, block_pairs, engine_for
 from kvcr_core.memory import SlotPool
+from kvcr_core.types import SlotId
 
 BLOCK_SIZES = (256 * KIB, MIB, 2 * MIB)
 PAGE_BYTES = 32 * KIB
@@ -104,7 +105,7 @@ def _on_pool(engine: CopyEngine, pool: SlotPool, device: torch.device, page_byte
     }, torch.cuda.synchronize if cuda else (lambda: None), reps)
     _kvcr(engine, save)
     last = b"".join(p[block_ids[-1]].cpu().numpy().tobytes() for p, _, _ in planes)
-    checked = bytes(pool.view(n - 1)) == last
+    checked = bytes(pool.view(SlotId(n - 1))) == last
     engine.unpin_pool(flat)
     return med, checked
 

@@ -96,7 +96,7 @@ class SavePipeline:
             try:
                 saves.append(_Save(plan, self.client.reserve_async(keys),
                                    self.client.attach_count))
-            except RunnerUnavailable as exc:
+            except Exception as exc:  # a kvcr fault never reaches vLLM: the save is lost
                 save = _Save(plan, None)
                 self._fail(save, exc)
                 saves.append(save)
@@ -122,8 +122,8 @@ class SavePipeline:
         step = self.begin(metadata)
         self._resolve(step)
         again = any(n > 1 for n in step.layers.values())
-        planes = [plane for name, planes in self.layers.items()
-                  if again or name not in step.layers for plane in planes]
+        planes = [plane for name, layer in self.layers.items()
+                  if again or name not in step.layers for plane in layer]
         if planes:
             self._copy(step, planes)
         self._step = None
@@ -172,7 +172,7 @@ class SavePipeline:
                 continue
             try:
                 res = save.reservation.result()
-            except RunnerUnavailable as exc:
+            except Exception as exc:
                 self._fail(save, exc)
                 continue
             save.op = res.op
