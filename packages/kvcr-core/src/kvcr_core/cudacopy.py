@@ -3,7 +3,8 @@ kvcr-core's torch seam; `copyengine.engine_for` imports it for a CUDA device onl
 
 - Pinning: each process registers its mapping of the pool with CUDA once per attach
   (`cudaHostRegister` through torch's cudart bindings), so copies run as DMA at link speed,
-  and unregisters it, after waiting for its stream, before the mapping may go. A registration
+  and unregisters it, after waiting for its stream, before the mapping may go. Registering
+  faults in and locks every page of the mapping: seconds for a large pool, logged. A registration
   that fails leaves pageable copies (correct, slower): counted in `pin_failures`, logged once.
 - Copies run on the engine's own stream, ordered after the caller's current stream (the
   forward that wrote the KV being saved, or that last read the blocks a load overwrites). A
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -98,10 +100,13 @@ class CudaCopyEngine:
     def pin_pool(self, region: HostRegion) -> torch.Tensor:
         flat = torch.frombuffer(region.view, dtype=torch.uint8)
         address, size = flat.data_ptr(), flat.numel()
+        start = time.perf_counter()
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         error = int(cudart.cudaHostRegister(address, size, _REGISTER_PORTABLE))
-        if error == 0:
+        if error == 0:  # every page faulted in and locked: seconds for a large pool
             self._pinned.add(address)
+            log.info("kvcr: pinned the pool mapping for CUDA (%d MiB) in %.2f s",
+                     size >> 20, time.perf_counter() - start)
             return flat
         self.pin_failures += 1
         if self.pin_failures == 1:

@@ -114,6 +114,9 @@ class KVCRConnectorWorker:
                                     on_pin_failed=lambda: self.stats.failure("pin_failed"))
         self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
                                    self.block_tokens, self.stats)
+        if engine.asynchronous:  # pin now, at start-up, not in the first step's copies
+            with contextlib.suppress(RunnerUnavailable), self._binding.use():
+                pass  # (an embedded Runner may not be up yet: then the first copy pins)
         log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
                  self.tp_rank, len(self._planes), offset, type(engine).__name__,
                  self.settings.socket)
