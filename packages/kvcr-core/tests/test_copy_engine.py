@@ -21,7 +21,7 @@ from kvcr_core.copyengine import (  # noqa: E402
     runs,
 )
 from kvcr_core.memory import SlotPool  # noqa: E402
-from kvcr_core.testing.copies import ThreadedCopyEngine  # noqa: E402
+from kvcr_core.testing import ThreadedCopyEngine  # noqa: E402
 
 BLOCKS, PAGE = 12, 512  # two planes of 512 bytes per block: a 1 KiB block in a 4 KiB slot
 

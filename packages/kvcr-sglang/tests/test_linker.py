@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
 from kvcr_bench.sglang_rig import PoolShape  # noqa: E402
-from kvcr_core.testing.copies import ThreadedCopyEngine  # noqa: E402
+from kvcr_core.testing import ThreadedCopyEngine  # noqa: E402
 
 SHAPE = PoolShape()
 

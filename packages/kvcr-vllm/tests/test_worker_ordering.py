@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base clas
 from kvcr_core.attach import AttachClient  # noqa: E402
 from kvcr_core.checksums import block_checksum  # noqa: E402
 from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
-from kvcr_core.testing.copies import ThreadedCopyEngine  # noqa: E402
+from kvcr_core.testing import ThreadedCopyEngine  # noqa: E402
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan  # noqa: E402
 from kvcr_vllm.settings import ConnectorSettings  # noqa: E402
 from kvcr_vllm.stats import StatsRecorder  # noqa: E402

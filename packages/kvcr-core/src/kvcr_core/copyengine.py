@@ -20,8 +20,9 @@ mapping as one uint8 tensor (pinned for DMA where the engine can); `unpin_pool` 
 the copies in flight and unregisters it: call it before the mapping may be unmapped
 (`PoolBinding` does, for an attachment that may re-attach).
 
-kvcr-core's torch seam: this module and kvcr_core.cudacopy are the only ones that import
-torch (lazily here; an import contract allows these two and no other). Threading: an engine
+kvcr-core's torch seam: this module and kvcr_core.cudacopy (and the test engine,
+kvcr_core.testing.copies) are the only ones that import torch, lazily here; an import
+contract allows these and no other. Threading: an engine
 may be shared by threads (CUDA streams are); `PoolBinding` is thread-safe.
 """
 
