@@ -1,5 +1,8 @@
 """KVCRUnifiedCacheLinker through SGLang's real linker factory, on a real device KV pool
-(CPU tensors): offload, lookup, layer-wise load, and the failure paths."""
+(CPU tensors): offload, lookup, layer-wise load, and the failure paths; with a copy engine that
+completes later (as a GPU stream does), the ordering rules: no layer reported loaded and no
+offload committed before its copies completed, a failed copy publishes nothing, the pool is
+unpinned before it is unmapped."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch  # noqa: E402
 
 from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
 from kvcr_bench.sglang_rig import PoolShape  # noqa: E402
+from kvcr_core.testing import ThreadedCopyEngine  # noqa: E402
 
 SHAPE = PoolShape()
 
@@ -131,3 +135,69 @@ def test_linker_with_guard_down_misses_and_offloads_report_failure(short_tmp: st
         assert load(linker, keys, 5) is False
     finally:
         linker.close()
+
+
+@pytest.fixture
+def delayed(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The linker built next copies through a ThreadedCopyEngine (returned)."""
+    import kvcr_sglang.linker
+
+    engine = ThreadedCopyEngine()
+    monkeypatch.setattr(kvcr_sglang.linker, "engine_for", lambda device: engine)
+    yield engine
+    engine.close()
+
+
+def test_nothing_is_reported_before_its_copies_completed(delayed) -> None:
+    """Risk (GPU ordering): an offload committed, or a layer reported loaded, while its copy
+    is still in flight: peers or the forward read bytes that have not landed."""
+    linker, dev = build({"pool_bytes": "64MiB"})
+    try:
+        keys = cpu_rig.page_keys(list(range(500, 500 + 2 * SHAPE.page_tokens)),
+                                 SHAPE.page_tokens)
+        fill(dev, 1, 2, seed=9)
+        want = pages(dev, 1, 2)
+        delayed.hold()
+        linker.offload(kv(keys, 1))
+        time.sleep(0.3)
+        assert linker.num_completed_offloads() == 0 and linker.store.prefix_hits(keys) == 0
+        delayed.release()
+        assert wait_offloads(linker, 1) == [True] and linker.store.prefix_hits(keys) == 2
+        delayed.hold()
+        assert linker.load("rid-2", kv(keys, 20))
+        index = linker.start_layer_wise_loading()
+        time.sleep(0.3)
+        assert not linker.layer_done_counter.futures[index][0].done()
+        delayed.release()
+        assert linker.finish_layer_wise_loading(index) and pages(dev, 20, 2) == want
+    finally:
+        linker.close()
+
+
+def test_a_failed_copy_publishes_nothing_and_fails_the_load(delayed) -> None:
+    """Risk: a copy that fails on the device is committed (offload) or reported loaded."""
+    linker, dev = build({"pool_bytes": "64MiB"})
+    try:
+        keys = cpu_rig.page_keys(list(range(900, 900 + 2 * SHAPE.page_tokens)),
+                                 SHAPE.page_tokens)
+        fill(dev, 1, 2, seed=3)
+        delayed.fail_next_copy()
+        linker.offload(kv(keys, 1))
+        assert wait_offloads(linker, 1) == [False] and linker.store.prefix_hits(keys) == 0
+        linker.offload(kv(keys, 1))
+        assert wait_offloads(linker, 1) == [True]
+        delayed.fail_next_copy()
+        assert load(linker, keys, 30) is False
+    finally:
+        linker.close()
+
+
+def test_closing_unpins_the_pool_before_unmapping_it(delayed) -> None:
+    """Risk: the pool mapping is unmapped while still registered for DMA."""
+    linker, dev = build({"pool_bytes": "64MiB"})
+    keys = cpu_rig.page_keys(list(range(64)), SHAPE.page_tokens)
+    fill(dev, 1, 1, seed=4)
+    linker.offload(kv(keys, 1))
+    assert wait_offloads(linker, 1) == [True]
+    linker.close()
+    assert [event for event, _ in delayed.log] == ["pin", "unpin", "unmap"]

@@ -1,4 +1,5 @@
-"""kvcr-vllm pieces without an engine: config validation, copy runs, stats, registration."""
+"""kvcr-vllm pieces without an engine: config validation, stats, registration (copy runs are
+kvcr-core's: test_copy_engine.py)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,6 @@ def test_extra_config_defaults_and_values() -> None:
     assert guarded.socket == "/run/kvcr/g.sock" and guarded.runner.pool_bytes == 2 << 30
     assert guarded.runner.eviction_policy == "arc" and not guarded.save and guarded.load
     assert not default.peer.nixl  # NIXL (pool writable by peers) only when asked for
-
-
-def test_copy_runs_coalesce_consecutive_blocks_and_slots() -> None:
-    """Runs where both block ids and slots advance by one become one copy each."""
-    vllm = pytest.importorskip("vllm", reason="kvcr_vllm.worker imports vLLM types")
-    assert vllm
-    from kvcr_vllm.worker import runs
-
-    assert list(runs((4, 5, 6, 9, 10), (0, 1, 2, 3, 4))) == [(4, 0, 3), (9, 3, 2)]
-    assert list(runs((1, 2), (7, 3))) == [(1, 7, 1), (2, 3, 1)]
-    assert list(runs((), ())) == []
 
 
 def test_stats_aggregate_reduce_and_bounded_labels() -> None:

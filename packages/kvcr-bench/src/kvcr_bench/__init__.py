@@ -10,6 +10,7 @@ and ratios against a baseline measured in the same run (and `--json`).
   the servers and the tiny model also drive the end-to-end tests
 - `demo`: the README's main job (`python -m kvcr_bench.demo`)
 - `sglang_hicache` (+ `sglang_rig`): `kvcr bench sglang`; the rig also drives SGLang's tests
+- `device_copy`: `kvcr bench copy` (the copy engine on CPU or CUDA; torch alone)
 """
 
 from kvcr_bench._version import __version__

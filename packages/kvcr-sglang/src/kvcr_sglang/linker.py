@@ -15,9 +15,11 @@ slots. `offload` queues pages for the offload thread (reserve + copy + commit, a
 results come back in order through `pop_completed_offload`. Full-attention KV only (the
 `KV` pool); plain MHA models get their pool view from SGLang's own `DevicePoolEntry`.
 Threads: SGLang's scheduler thread calls in; one load thread and one offload thread copy.
-Copies are tensor copies between the device pool's page rows and the mapped kvcr pool, so the
-same code runs on CPU pools and on CUDA (there on a side stream, synchronised before a layer
-is reported done; offloads first wait for SGLang's `record_offload_ready` events).
+Copies go through kvcr's copy engine (kvcr_core.copyengine), chosen from the device pool's
+device: inline tensor copies on CPU pools; on CUDA the pool mapping pinned once per attach
+(unpinned before it is unmapped) and copies on the engine's stream, each layer's event
+synchronised before the layer is reported done, and each offload's before its pages are hashed
+and committed (offloads first wait for SGLang's `record_offload_ready` events).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from kvcr_core.attach import EmbeddedRunner, Mode
+from kvcr_core.copyengine import PoolBinding, engine_for
 from kvcr_core.keys import NamespaceSpec
 from kvcr_sglang.pagestore import PageStore
 from kvcr_sglang.settings import BackendSettings
@@ -91,10 +94,8 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         self.store = PageStore(self.settings, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}")
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
-        self._pool_view: tuple[int, torch.Tensor] | None = None
-        device = kvcache.k_buffer[0].device
-        self._stream = (torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                        if device.type == "cuda" else None)
+        self.copies = engine_for(kvcache.k_buffer[0].device)
+        self.binding = PoolBinding(self.copies, self.store.client, self._pin_failed)
         self.pending: dict[str, list[PoolTransfer]] = {}
         self._loads: queue.Queue[tuple[int, list[PoolTransfer]] | None] = queue.Queue()
         self._offloads: queue.Queue[tuple[list[PoolTransfer], list[Any]] | None] = (
@@ -153,14 +154,8 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return bool(self.layer_done_counter.finish(counter_index))
 
-    def _pool_bytes(self) -> torch.Tensor:
-        """The kvcr pool as one uint8 tensor (a view of the mapping; renewed on re-attach)."""
-        client = self.store.client
-        pool = client.pool
-        if self._pool_view is None or self._pool_view[0] != client.attach_count:
-            self._pool_view = (client.attach_count,
-                               torch.frombuffer(pool.region.view, dtype=torch.uint8))
-        return self._pool_view[1]
+    def _pin_failed(self) -> None:
+        self.store.stats.failures += 1  # the engine logged it; copies go on, pageable
 
     def _page_views(self, transfer: PoolTransfer) -> list[list[torch.Tensor]]:
         """Per page: the byte views of its K rows of every layer, then its V rows (block order),
@@ -196,17 +191,19 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
 
     def _copy_layers(self, index: int, plans: list[tuple[list[int], list[list[torch.Tensor]]]]
                      ) -> None:
-        """Layer by layer, so the forward starts on layer 0 while later layers still load."""
-        pool = self._pool_bytes()
+        """Layer by layer, so the forward starts on layer 0 while later layers still load;
+        a layer is reported done only once its copies completed."""
         n, size = self.num_layers, self.layer_bytes
         for layer in range(n):
-            with self._on_copy_stream():
-                for offsets, pages in plans:
-                    for offset, views in zip(offsets, pages, strict=True):
-                        for part in (layer, n + layer):  # K, then V of this layer
-                            start = offset + part * size
-                            views[part].copy_(pool[start:start + size], non_blocking=True)
-            self._sync_copy_stream()
+            with self.binding.use() as rows:
+                pool = rows.view(-1)
+                self.copies.copy([(views[part], pool[offset + part * size:
+                                                     offset + (part + 1) * size])
+                                  for offsets, pages in plans
+                                  for offset, views in zip(offsets, pages, strict=True)
+                                  for part in (layer, n + layer)])  # K, then V of this layer
+                job = self.copies.record()
+            job.wait()
             self.layer_done_counter.complete(index, layer)
 
     def _device_indices(self, transfer: PoolTransfer) -> torch.Tensor:
@@ -217,22 +214,11 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         result: torch.Tensor = indices[: len(transfer.keys) * self.page_tokens].cpu()
         return result
 
-    def _on_copy_stream(self) -> Any:
-        import contextlib
-
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
-
-    def _sync_copy_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
     # -- offload -------------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
         kv = [t for t in transfers if t.name == PoolName.KV and t.keys]
-        ready = self.record_offload_ready() if self._stream is not None else []
+        ready = self.record_offload_ready() if self.copies.asynchronous else []
         self._offloads.put((kv, ready))
         return True
 
@@ -256,20 +242,18 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         if reserved is None:
             return False
         op, offsets, refused = reserved
-        pool = self._pool_bytes()
         size = self.layer_bytes
-        written: list[int] = []
         try:
-            with self._on_copy_stream():
-                for offset, views in zip(offsets, self._page_views(transfer), strict=True):
-                    if offset is None:
-                        continue
-                    written.append(offset)
-                    for part, view in enumerate(views):
-                        start = offset + part * size
-                        pool[start:start + size].copy_(view, non_blocking=True)
-            self._sync_copy_stream()  # the bytes are in the pool: now they can be hashed
-            sums = [self.store.checksum_at(offset) for offset in written]
+            pages = [(offset, views) for offset, views in
+                     zip(offsets, self._page_views(transfer), strict=True) if offset is not None]
+            with self.binding.use() as rows:
+                pool = rows.view(-1)
+                self.copies.copy([(pool[offset + part * size:offset + (part + 1) * size], view)
+                                  for offset, views in pages
+                                  for part, view in enumerate(views)])
+                job = self.copies.record()
+            job.wait()  # the bytes are in the pool: now they can be hashed
+            sums = [self.store.checksum_at(offset) for offset, _ in pages]
         except BaseException:
             self.store.abort(op)
             raise
@@ -302,6 +286,7 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
 
     def close(self) -> None:
         self._quiesce()
+        self.binding.release()  # unpinned before the attachment unmaps the pool
         self.store.close()
         if self.embedded is not None:
             self.embedded.stop()

@@ -152,6 +152,11 @@ class KVCRConnector(KVConnectorBase_V1):
         # an embedded Runner starts with the scheduler side, after this: it attaches later
         attach_at_start([self._worker.client], self.settings.socket)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVCRConnectorMetadata):
+            self._worker.bind(connector_metadata)  # the step's saves reserve now
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()
@@ -167,14 +172,18 @@ class KVCRConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # saves copy whole blocks of all layers after the forward (wait_for_save)
+        """Asynchronous (CUDA) copies start saving this layer while the forward goes on;
+        inline (CPU) copies save every layer in `wait_for_save`."""
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KVCRConnectorMetadata):  # not a dummy run's empty metadata
+            self._worker.save_kv_layer(metadata, layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVCRConnectorMetadata)
         self._worker.wait_for_save(metadata)
-
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

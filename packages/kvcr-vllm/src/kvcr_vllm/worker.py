@@ -4,17 +4,22 @@ Copies whole block pages as opaque bytes (vLLM's CPU page layout depends on the 
 vLLM's KV tensors and the kvcr pool mapped from the Runner (embedded or kvcr-guard). A block's
 slot holds every layer's page back to back, in vLLM's layer order.
 
-Copies run inline in the engine thread, at memcpy speed: loads in `start_load_kv` (host KV
-caches: synchronous, before the forward pass of the very step that runs the request, reported
-done through `loads_done`; device caches: the request waits in WAITING_FOR_REMOTE_KVS and is
-reported through `get_finished`), saves in `wait_for_save` after the forward pass wrote the
-step's KV. Measured here: a separate copy thread ran 5-100x slower, starved by the engine's
-OpenMP threads; inline, 32 MiB move in ~5 ms. A save reserves its keys (one overlapped round
-trip for all of the step's plans), copies what it was granted and commits with each block's
-checksum (hashed from the slot once every layer is in), so a block is READY only after all its
-bytes landed; a failed save is aborted, never published. Runs of consecutive blocks and slots
-move in one strided copy per layer. A load that cannot complete, or (with `verify_loads`) a
-block whose slot no longer matches its committed checksum, reports its blocks through
+Copies go through a copy engine (kvcr_core.copyengine), chosen from the KV tensors' device:
+- CPU: inline, at memcpy speed (measured here: a separate copy thread ran 5-100x slower,
+  starved by the engine's OpenMP threads; inline, 32 MiB move in ~5 ms). Loads are
+  synchronous: `start_load_kv` copies before the forward pass of the very step that runs the
+  request, and reports them done through `loads_done`; saves run in `wait_for_save` after the
+  forward wrote the step's KV.
+- CUDA: the pool mapping pinned, copies on kvcr's own stream; saves layer by layer through
+  `save_kv_layer`, overlapping the forward (`saves.SavePipeline`); loads asynchronous (the
+  request waits in WAITING_FOR_REMOTE_KVS), reported through `get_finished`.
+Either way a save reserves its keys (one overlapped round trip for all of the step's plans),
+copies what it was granted and commits with each block's checksum (hashed from the slot once
+every layer is in) only after its copies completed, so a block is READY only after all its
+bytes landed; a failed save is aborted, never published. A load is reported done only once
+its copies completed. Runs of consecutive blocks and slots move in
+one strided copy per layer. A load that cannot complete, or (with `verify_loads`) a block whose
+slot no longer matches its committed checksum, reports its blocks through
 `get_block_ids_with_load_errors`, and vLLM recomputes them.
 """
 
@@ -23,38 +28,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from kvcr_core import BlockKey, Reservation, SlotId
-from kvcr_core.attach import AttachClient, Handle, RunnerUnavailable
+from kvcr_core import SlotId
+from kvcr_core.attach import AttachClient, RunnerUnavailable
 from kvcr_core.checksums import block_checksum, parts_checksum
+from kvcr_core.copyengine import (
+    CopyEngine,
+    CopyFailed,
+    CopyJob,
+    PoolBinding,
+    block_pairs,
+    engine_for,
+)
 from kvcr_core.keys import NamespaceSpec
-from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone, SavePlan
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone
+from kvcr_vllm.saves import SavePipeline, save_failed
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
     import torch
 
+    from kvcr_core.copyengine import Plane
+
 log = logging.getLogger("kvcr_vllm")
-
-
-def runs(block_ids: tuple[int, ...], slots: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
-    """(first block, first slot, length) of maximal runs where both advance by one."""
-    i, n = 0, len(block_ids)
-    while i < n:
-        j = i + 1
-        while j < n and block_ids[j] == block_ids[j - 1] + 1 and slots[j] == slots[j - 1] + 1:
-            j += 1
-        yield block_ids[i], slots[i], j - i
-        i = j
 
 
 class KVCRConnectorWorker:
     def __init__(self, settings: ConnectorSettings, spec: NamespaceSpec, tp_rank: int,
                  block_bytes: int, num_blocks: int, stats: StatsRecorder,
-                 engine_id: str) -> None:
+                 engine_id: str, *, copy_engine: CopyEngine | None = None) -> None:
+        """`copy_engine`: None picks one from the KV tensors' device at registration."""
         self.settings = settings
         self.tp_rank = tp_rank
         self.block_bytes = block_bytes
@@ -64,9 +69,12 @@ class KVCRConnectorWorker:
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
                                   timeout_s=settings.timeout_s)
-        self._planes: list[tuple[torch.Tensor, int, int]] = []  # (bytes [blocks, page], off, n)
-        self._pool_rows: torch.Tensor | None = None
-        self._pool_attach = -1
+        self.copy_engine = copy_engine
+        self._planes: list[Plane] = []  # (bytes [blocks, page], offset in the slot, page)
+        self._layers: dict[str, list[Plane]] = {}
+        self._binding: PoolBinding | None = None
+        self._saves: SavePipeline | None = None
+        self._loads: list[tuple[LoadPlan, CopyJob, float]] = []  # issued, not yet complete
         self._done_recving: set[str] = set()
         self._done_sync: set[str] = set()
         self._load_errors: set[int] = set()
@@ -78,7 +86,7 @@ class KVCRConnectorWorker:
         """Views every layer's KV tensor as [num_blocks, page bytes] (no copy)."""
         import torch
 
-        planes: list[tuple[torch.Tensor, int, int]] = []
+        layers: dict[str, list[Plane]] = {}
         offset = 0
         for name, tensor in kv_caches.items():
             if tensor.shape[0] == self.num_blocks:
@@ -95,59 +103,71 @@ class KVCRConnectorWorker:
                     self._disable(f"layer {name} pages are not contiguous ({exc})")
                     return
                 page = as_bytes.shape[1]
-                planes.append((as_bytes, offset, page))
+                layers.setdefault(name, []).append((as_bytes, offset, page))
                 offset += page
         if offset != self.block_bytes:
             self._disable(f"KV pages add up to {offset} bytes per block, the KV cache spec "
                           f"says {self.block_bytes}")
             return
-        self._planes = planes
-        log.info("kvcr worker tp%d: %d planes, %d bytes per block, pool at %s", self.tp_rank,
-                 len(planes), offset, self.settings.socket)
+        self._layers = layers
+        self._planes = [plane for planes in layers.values() for plane in planes]
+        engine = self.copy_engine or engine_for(self._planes[0][0].device)
+        self.copy_engine = engine
+        self._binding = PoolBinding(engine, self.client,
+                                    on_pin_failed=lambda: self.stats.failure("pin_failed"))
+        self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
+                                   self.block_tokens, self.stats)
+        if engine.asynchronous:  # pin now, at start-up, not in the first step's copies
+            with contextlib.suppress(RunnerUnavailable), self._binding.use():
+                pass  # (an embedded Runner may not be up yet: then the first copy pins)
+        log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
+                 self.tp_rank, len(self._planes), offset, type(engine).__name__,
+                 self.settings.socket)
 
     def _disable(self, why: str) -> None:
         self._disabled = why
         self.stats.failure("config")
         log.error("kvcr disabled on this worker: %s (requests recompute)", why)
 
-    def _pool(self) -> torch.Tensor:
-        import torch
-
-        pool = self.client.pool  # attaches (or re-attaches) as needed; RunnerUnavailable if not
-        if self._pool_rows is None or self._pool_attach != self.client.attach_count:
-            rows = torch.frombuffer(pool.region.view, dtype=torch.uint8)
-            self._pool_rows = rows[:pool.capacity_slots * pool.stride_bytes].view(
-                pool.capacity_slots, pool.stride_bytes)
-            self._pool_attach = self.client.attach_count
-        return self._pool_rows
-
-    def _ready(self) -> None:
-        if self._disabled or not self._planes:
+    def _ready(self) -> PoolBinding:
+        if self._disabled or self._binding is None:
             raise RuntimeError(self._disabled or "KV caches not registered")
+        return self._binding
 
     # -- per step ------------------------------------------------------------------------------
 
+    def bind(self, metadata: KVCRConnectorMetadata) -> None:
+        """The step's metadata is bound: its saves' reservations go out now."""
+        if self._saves is not None and metadata.saves:
+            self._saves.begin(metadata)
+
     def start_load_kv(self, metadata: KVCRConnectorMetadata) -> None:
-        for plan in metadata.loads:
-            self._load(plan)
+        issued = [plan for plan in metadata.loads if self._issue_load(plan)]
+        if issued:
+            assert self.copy_engine is not None
+            job, now = self.copy_engine.record(), time.perf_counter()
+            self._loads += [(plan, job, now) for plan in issued]
+            if any(plan.synchronous for plan in issued):
+                with contextlib.suppress(CopyFailed):  # (the poll reports a failed copy)
+                    job.wait()  # this step's forward pass reads these blocks
+        self._poll()
+
+    def save_kv_layer(self, metadata: KVCRConnectorMetadata, layer_name: str) -> None:
+        if (self._saves is not None and self.copy_engine is not None
+                and self.copy_engine.asynchronous):
+            self._saves.save_layer(metadata, layer_name)
 
     def wait_for_save(self, metadata: KVCRConnectorMetadata) -> None:
-        if not metadata.saves:
+        if self._saves is None:
+            for plan in metadata.saves:
+                if not self._disabled:
+                    save_failed(self.stats, plan, RuntimeError("KV caches not registered"))
             return
-        pending: list[tuple[SavePlan, Handle[Reservation] | None]] = []
-        for plan in metadata.saves:  # all reservations in flight at once
-            try:
-                self._ready()
-                keys = cast("Sequence[BlockKey]", plan.keys_by_rank[self.tp_rank])
-                pending.append((plan, self.client.reserve_async(keys)))
-            except (RunnerUnavailable, RuntimeError) as exc:
-                self._save_failed(plan, exc)
-                pending.append((plan, None))
-        for plan, reservation in pending:
-            if reservation is not None:
-                self._save(plan, reservation)
+        self._saves.finish(metadata)
+        self._poll()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
         recving, self._done_recving = self._done_recving, set()
         return None, recving or None
 
@@ -161,39 +181,78 @@ class KVCRConnectorWorker:
         return errors
 
     def shutdown(self) -> None:
+        """Finishes what is in flight, unpins the pool, then detaches (which unmaps it)."""
+        for _, job, _ in self._loads:
+            with contextlib.suppress(CopyFailed):
+                job.wait()  # a failed copy is reported by the poll
+        if self._saves is not None:
+            self._saves.drain()
+        self._poll_loads()
         with contextlib.suppress(RunnerUnavailable):
             if self.client.attached:
                 self.client.flush()  # the last commits/releases reach the Runner
+        if self._binding is not None:
+            self._binding.release()
         self.client.close()
 
-    # -- copies --------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        self._poll_loads()
+        if self._saves is not None:
+            self._saves.poll()
 
-    def _load(self, plan: LoadPlan) -> None:
-        start = time.perf_counter()
+    # -- loads ---------------------------------------------------------------------------------
+
+    def _issue_load(self, plan: LoadPlan) -> bool:
+        """Issues the plan's copies; False if it is settled already (nothing to load, or
+        failed: its blocks are load errors)."""
         self._load_errors.update(plan.failed_block_ids)
-        (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
         if not plan.block_ids:
-            return
+            self._finished(plan)
+            return False
         try:
-            self._ready()
-            rows = self._pool()
-            slots = plan.slots_by_rank[self.tp_rank]
-            for block, slot, length in runs(plan.block_ids, slots):
-                for plane, off, page in self._planes:
-                    plane[block:block + length].copy_(rows[slot:slot + length, off:off + page])
-            if plan.checksums_by_rank:
-                self._verify(plan, slots, plan.checksums_by_rank[self.tp_rank])
-        except RunnerUnavailable:
-            self.stats.failure("guard_unavailable")
-            self._load_errors.update(plan.block_ids)
-        except Exception:
-            log.exception("kvcr load of %s failed; recomputing", plan.req_id)
-            self.stats.failure("load_copy")
-            self._load_errors.update(plan.block_ids)
-        else:
+            binding = self._ready()
+            with binding.use() as rows:
+                binding.engine.copy(block_pairs(self._planes, rows, plan.block_ids,
+                                                plan.slots_by_rank[self.tp_rank],
+                                                into_pool=False))
+        except Exception as exc:
+            self._load_failed(plan, exc)
+            return False
+        return True
+
+    def _poll_loads(self) -> None:
+        """Loads whose copies completed: verified (with `verify_loads`), then finished."""
+        pending, self._loads = self._loads, []
+        for plan, job, start in pending:
+            try:
+                if not job.done():
+                    self._loads.append((plan, job, start))
+                    continue
+                if plan.checksums_by_rank:
+                    self._verify(plan, plan.slots_by_rank[self.tp_rank],
+                                 plan.checksums_by_rank[self.tp_rank])
+            except Exception as exc:
+                self._load_failed(plan, exc)
+                continue
+            self._finished(plan)
             self.stats.add("loaded_blocks", len(plan.block_ids))
             self.stats.add("loaded_tokens", len(plan.block_ids) * self.block_tokens)
             self.stats.load_seconds(time.perf_counter() - start)
+
+    def _load_failed(self, plan: LoadPlan, exc: Exception) -> None:
+        """The plan's blocks are load errors (vLLM recomputes them); the load is finished."""
+        if isinstance(exc, RunnerUnavailable):
+            self.stats.failure("guard_unavailable")
+        else:
+            log.error("kvcr load of %s failed (%s); recomputing", plan.req_id, exc)
+            self.stats.failure("load_copy")
+        self._load_errors.update(plan.block_ids)
+        self._finished(plan)
+
+    def _finished(self, plan: LoadPlan) -> None:
+        """Reported done where vLLM looks: a synchronous load with the step's output
+        (`loads_done`), an asynchronous one through `get_finished`."""
+        (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
 
     def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:
         """Blocks loaded with other bytes than those committed (changed in the pool since)
@@ -213,36 +272,3 @@ class KVCRConnectorWorker:
         if self._planes[0][0].device.type != "cpu":
             return block_checksum(self.client.pool.view(SlotId(slot)))
         return parts_checksum(plane[block].numpy().data for plane, _, _ in self._planes)
-
-    def _save(self, plan: SavePlan, reservation: Handle[Reservation]) -> None:
-        res = None
-        try:
-            res = reservation.result()
-            if res.refused:
-                self.stats.failure("save_refused", res.refused)
-            pairs = [(b, s) for b, s in zip(plan.block_ids, res.slots, strict=True)
-                     if s is not None]
-            if not pairs:
-                return
-            rows = self._pool()
-            blocks, slot_ids = zip(*pairs, strict=True)
-            for block, slot, length in runs(blocks, slot_ids):
-                for plane, off, page in self._planes:
-                    rows[slot:slot + length, off:off + page].copy_(plane[block:block + length])
-            view = self.client.pool.view  # every plane copied: the blocks are whole
-            self.client.commit_nowait(
-                res.op, checksums=[block_checksum(view(slot)) for slot in slot_ids])
-            self.stats.add("stored_blocks", len(pairs))
-            self.stats.add("stored_tokens", len(pairs) * self.block_tokens)
-        except Exception as exc:
-            self._save_failed(plan, exc)
-            if res is not None:
-                with contextlib.suppress(RunnerUnavailable):
-                    self.client.abort(res.op)
-
-    def _save_failed(self, plan: SavePlan, exc: BaseException) -> None:
-        if isinstance(exc, RunnerUnavailable):
-            self.stats.failure("guard_unavailable")
-        elif not self._disabled:
-            log.error("kvcr save of %s failed (%s); nothing was published", plan.req_id, exc)
-            self.stats.failure("save_copy")

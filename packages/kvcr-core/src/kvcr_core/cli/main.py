@@ -1,9 +1,9 @@
 """`kvcr`: the operator's and router author's command line.
 
 Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
-sglang, pull, dynamo), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`, `secret generate`,
-`status --socket PATH`, `--version`. Each subcommand lives in its own module and is imported
-only when chosen, so `kvcr --version` stays instant.
+sglang, pull, dynamo, copy), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
+`secret generate`, `status --socket PATH`, `--version`. Each subcommand lives in its own
+module and is imported only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
 """
 
@@ -35,6 +35,9 @@ def _build_parser() -> argparse.ArgumentParser:
             extra.add_argument("--under-attack", action="store_true",
                                help="a legitimate engine's round trip while another client "
                                "misbehaves, one way at a time")
+        if name == "copy":
+            extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                               help="where the KV tensors live (auto: cuda when available)")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config", required=True)
@@ -76,6 +79,7 @@ BENCHMARKS = {
     "sglang": "HiCache v1 throughput vs SGLang's file backend vs memcpy",
     "pull": "cross-node reuse on real vLLM: pull on miss vs a hint vs a local hit",
     "dynamo": "multi-turn TTFT through NVIDIA Dynamo's KV router: vanilla vs kvcr workers",
+    "copy": "pool <-> KV tensor copies (CPU or CUDA) vs one pinned copy of the same bytes",
 }
 
 
@@ -93,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "pip install 'kvcr-bench[guard]' (see its README for vllm / sglang)",
                   file=sys.stderr)
             return 2
-        options = {"under_attack": True} if getattr(args, "under_attack", False) else {}
+        options: dict[str, object] = (
+            {"under_attack": True} if getattr(args, "under_attack", False) else {})
+        if getattr(args, "device", None) is not None:
+            options["device"] = args.device
         result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)
         return result
     if args.command == "config":

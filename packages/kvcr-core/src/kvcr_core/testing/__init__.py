@@ -12,13 +12,16 @@ own tests and for anyone testing code built on it.
   (wrong bytes, silence, death, addresses it never exposed), over TCP or a read transport.
 - `FakeAttachClient` and `ManualClock`: an engine's attachment without a socket, and time
   that moves when the test says, for unit tests of engine adapters.
+- `ThreadedCopyEngine`: a copy engine whose CPU copies complete later on a helper thread (held,
+  released or failed by the test), so CPU tests check the ordering rules a GPU imposes.
 """
 
 from kvcr_core.testing.attach import FakeAttachClient, ManualClock
 from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys
+from kvcr_core.testing.copies import ThreadedCopyEngine
 from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
 from kvcr_core.testing.netns import network_namespaces
 
 __all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
-           "ManualClock", "RaisingPolicy", "network_namespaces", "pattern_block",
-           "random_keys"]
+           "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "network_namespaces",
+           "pattern_block", "random_keys"]
