@@ -46,6 +46,8 @@ COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hi
             "connector": "vllm:external_prefix_cache_hits_total",
             "kvcr_loaded": "vllm:kvcr_loaded_tokens_total",
             "kvcr_failures": "vllm:kvcr_failures_total"}
+
+
 @dataclass(frozen=True)
 class Setup:
     preset: str

@@ -50,8 +50,10 @@ class SplitProxy:
         self._loop.close()
 
     async def _start(self) -> None:
+        # A new connection per request: a kept-alive one that the server closed while idle
+        # (uvicorn after 5 s) fails the next request relayed on it.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._relay)
