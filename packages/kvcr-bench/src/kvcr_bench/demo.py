@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcr_bench.tiny_model import PRESETS, build
-from kvcr_bench.vllm_servers import GuardProcess, VllmServer
+from kvcr_bench.vllm_servers import GuardProcess, VllmServer, start_servers
 
 
 @dataclass
@@ -71,20 +71,6 @@ def run_phase(label: str, servers: list[VllmServer], requests: list[Request]
                      "kvcr_tokens": int(after[0] - before[0]),
                      "local_tokens": int(after[1] - before[1])})
     return rows
-
-
-def start_servers(model: str, workdir: Path, names: list[str],
-                  kv_transfer_config: dict[str, Any] | None) -> list[VllmServer]:
-    max_len = int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
-    servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len) for name in names]
-    try:
-        for server in servers:
-            server.wait_ready()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
 
 
 def chart(rows_plain: list[dict[str, Any]], rows_kvcr: list[dict[str, Any]], path: Path) -> None:

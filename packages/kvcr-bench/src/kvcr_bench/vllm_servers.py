@@ -21,6 +21,15 @@ CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def metric_total(text: str, name: str) -> float:
+    """Sum of a sample of a Prometheus exposition over its label sets (0 if absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,14 +98,16 @@ class VllmServer(Process):
     """`python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI fails with vllm-cpu)."""
 
     def __init__(self, model: str, workdir: Path, name: str,
-                 kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192) -> None:
+                 kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192,
+                 max_num_seqs: int = 4) -> None:
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                 "--max-model-len", str(max_model_len), "--block-size", "32",
-                "--enforce-eager", "--max-num-seqs", "4", "--served-model-name", "model"]
+                "--enforce-eager", "--max-num-seqs", str(max_num_seqs),
+                "--served-model-name", "model"]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         super().__init__(args, workdir / f"{name}.log", CPU_ENV)
@@ -114,12 +125,7 @@ class VllmServer(Process):
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus sample over its label sets (0 if absent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and (line[len(name)] in " {"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_total(httpx.get(f"{self.url}/metrics", timeout=10).text, name)
 
     def ttft(self, tokens: list[int], max_tokens: int = 8,
              params: dict[str, Any] | None = None) -> float:
@@ -138,3 +144,21 @@ class VllmServer(Process):
         if first is None:
             raise RuntimeError("no token streamed")
         return first
+
+
+def start_servers(model: str, workdir: Path, names: list[str],
+                  kv_transfer_config: dict[str, Any] | None,
+                  max_num_seqs: int = 4) -> list[VllmServer]:
+    """One server per name, all starting at once, with the model's full context; all ready,
+    or all stopped and the error raised."""
+    max_len = int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
+    servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len, max_num_seqs)
+               for name in names]
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

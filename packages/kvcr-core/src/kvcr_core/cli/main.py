@@ -1,7 +1,7 @@
 """`kvcr`: the operator's and router author's command line.
 
 Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
-sglang, pull, dynamo, copy), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
+serve, sglang, pull, dynamo, copy), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
 `secret generate`, `status --socket PATH`, `--version`. Each subcommand lives in its own
 module and is imported only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
@@ -76,6 +76,7 @@ BENCHMARKS = {
     "guard": "copy path through kvcr-guard, control round trip, attach time",
     "peer": "peer transports (TCP, NIXL) vs raw, fetch latency",
     "vllm": "TTFT on real vLLM: recompute / local hit / kvcr / ExampleConnector",
+    "serve": "vLLM OpenAI servers under vllm bench serve: TTFT p90 and throughput vs load",
     "sglang": "HiCache v1 throughput vs SGLang's file backend vs memcpy",
     "pull": "cross-node reuse on real vLLM: pull on miss vs a hint vs a local hit",
     "dynamo": "multi-turn TTFT through NVIDIA Dynamo's KV router: vanilla vs kvcr workers",

@@ -1,0 +1,305 @@
+"""`kvcr bench serve`: time to first token and throughput of real vLLM OpenAI servers under
+load from vLLM's own benchmark client (`vllm bench serve`), at concurrency 1, 4, 8 and 16.
+
+Three cases, each on two vLLM servers (the same layout, started fresh per case): vanilla
+vLLM (each engine its own prefix cache), vLLM + kvcr in guarded mode (both engines attached
+to one kvcr-guard pool) and vLLM + ExampleConnector (both engines on one storage folder).
+The traffic (serve_traffic.py) is multi-turn conversations with long shared prefixes, in
+steady state (conversations start out of phase, after an unmeasured warm-up round); a
+SplitProxy in front of the two servers sends a user's consecutive turns to alternate
+engines, so each later turn lands where its conversation's last turn was not computed.
+Each concurrency level runs new conversations (the system prompt stays the same); the
+client runs closed loop at that concurrency.
+
+Per case and level: the client's own TTFT p50/p90/p99 and output token throughput (from its
+`--save-result --save-detailed` JSON), and the prompt tokens each cache served, read from
+the servers' /metrics before and after (`vllm:prefix_cache_hits` for the engine's own cache,
+`vllm:external_prefix_cache_hits` for the connector: kvcr or ExampleConnector). Ratios are
+against the baselines of the same run; a PNG charts p90 TTFT against concurrency.
+`--quick` runs concurrency 1 and 8 with shorter conversations (CI-sized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcr_bench.copies import meets
+from kvcr_bench.serve_proxy import SplitProxy
+from kvcr_bench.serve_traffic import Shape, Turn, schedule, write_trace
+from kvcr_bench.tiny_model import build
+from kvcr_bench.vllm_servers import CPU_ENV, GuardProcess, VllmServer, start_servers
+
+CASES = ("vanilla", "kvcr", "example")
+TARGETS = {"p90_ttft_ratio_kvcr_vs_vanilla_c8": ("<=", 0.5),
+           "p90_ttft_ratio_kvcr_vs_example_c8": ("<=", 0.7),
+           "throughput_ratio_kvcr_vs_vanilla_c8": (">=", 1.0)}
+COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hits_total",
+            "connector": "vllm:external_prefix_cache_hits_total",
+            "kvcr_loaded": "vllm:kvcr_loaded_tokens_total",
+            "kvcr_failures": "vllm:kvcr_failures_total"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    preset: str
+    levels: tuple[int, ...]
+    shape: Shape
+
+    def seats(self, concurrency: int) -> int:
+        """More users at once than requests in flight, so a user's next turn usually starts
+        after the previous one ended."""
+        return max(3, concurrency + 1)
+
+    def plans(self) -> dict[str, list[Turn]]:
+        """The client's traces by request-id prefix: `w<c>` the warm-up, `c<c>` the measured
+        rounds (one full conversation's worth of turns per seat) of concurrency c."""
+        out = {}
+        for c in self.levels:
+            rounds = schedule(self.seats(c), self.shape.turns, self.shape, 100_000 * c)
+            out[f"w{c}"] = rounds[0]
+            out[f"c{c}"] = [turn for row in rounds[1:] for turn in row]
+        return out
+
+
+FULL = Setup("bench", (1, 4, 8, 16), Shape(turns=6, system_chunks=16, document_chunks=32,
+                                           question_chunks=2, answer_chunks=2,
+                                           output_tokens=16))
+QUICK = Setup("bench", (1, 8), Shape(turns=3, system_chunks=16, document_chunks=16,
+                                     question_chunks=1, answer_chunks=1, output_tokens=16))
+
+
+def _connector(case: str, workdir: Path, guard: GuardProcess | None) -> dict[str, Any] | None:
+    if case == "kvcr":
+        assert guard is not None
+        return {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"mode": "guarded", "socket": guard.socket}}
+    if case == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "shared_storage_path": str(workdir / "example-store")}}
+    return None
+
+
+def _client_args(url: str, model: str, trace: Path, requests: int, concurrency: int,
+                 chunk_tokens: int, prefix: str, result: Path) -> list[str]:
+    """`vllm bench serve`'s command line for one trace (closed loop at `concurrency`)."""
+    return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", "model", "--tokenizer", model, "--dataset-name", "timed_trace",
+            "--dataset-path", str(trace), "--timed-trace-chunk-hash-size", str(chunk_tokens),
+            "--no-self-timed", "--no-oversample", "--num-prompts", str(requests),
+            "--ignore-eos", "--temperature", "0", "--request-id-prefix", f"{prefix}-",
+            "--max-concurrency", str(concurrency), "--request-rate", "inf",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+            "--result-filename", result.name, "--disable-tqdm", "--seed", "0"]
+
+
+def _run_clients(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
+                 servers: list[VllmServer], workdir: Path) -> list[dict[str, Any]]:
+    """Every trace through one SplitProxy and one client process; a row per measured one."""
+
+    def route(request_id: str) -> int:
+        prefix, index = request_id.rsplit("-", 1)
+        return plans[prefix][int(index)].engine
+
+    with SplitProxy([s.url for s in servers], route) as proxy:
+        traces = []
+        for prefix, turns in plans.items():
+            name = f"{case}-{prefix}"
+            trace = write_trace(turns, setup.shape, workdir / f"{name}.jsonl")
+            traces.append({"args": _client_args(
+                proxy.url, model, trace, len(turns), int(prefix[1:]), setup.shape.chunk_tokens,
+                prefix, workdir / f"{name}.json"), "counters_path": (
+                    str(workdir / f"{name}.counters.json") if prefix[0] == "c" else None)})
+        job = workdir / f"{case}.job.json"
+        job.write_text(json.dumps({"servers": [s.url for s in servers], "counters": COUNTERS,
+                                   "levels": traces}))
+        print(f"bench serve: {case}: vllm bench serve at concurrency "
+              f"{', '.join(map(str, setup.levels))} ...", file=sys.stderr, flush=True)
+        with open(workdir / f"{case}.client.log", "wb") as log:
+            # the trace's tokens come from hash(): PYTHONHASHSEED makes them the same each run
+            out = subprocess.run([sys.executable, "-m", "kvcr_bench.serve_client", str(job)],
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=3600,
+                                 env={**os.environ, **CPU_ENV, "PYTHONHASHSEED": "0"},
+                                 check=False)
+    if out.returncode != 0:
+        tail = (workdir / f"{case}.client.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vllm bench serve failed ({out.returncode}): {tail}")
+    return [_row(case, c, plans[f"c{c}"], setup, workdir) for c in setup.levels]
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return 1000 * sorted(seconds)[len(seconds) // 2] if seconds else None
+
+
+def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
+         workdir: Path) -> dict[str, Any]:
+    name = f"{case}-c{concurrency}"
+    res = json.loads((workdir / f"{name}.json").read_text())
+    seen = json.loads((workdir / f"{name}.counters.json").read_text())
+    delta = {k: seen["after"][k] - seen["before"][k] for k in COUNTERS}
+    if res["completed"] != len(turns) or res.get("failed"):
+        raise RuntimeError(f"{name}: {res['completed']} of {len(turns)} requests completed: "
+                           f"{[e for e in res.get('errors', []) if e][:3]}")
+    if res["input_lens"] != [len(t.hash_ids) * setup.shape.chunk_tokens for t in turns]:
+        raise RuntimeError(f"{name}: the client's prompts are not the conversations' turns")
+    ttfts = list(zip(res["ttfts"], turns, strict=True))
+    return {"case": case, "concurrency": concurrency, "requests": len(turns),
+            "ttft_p50_ms": res["p50_ttft_ms"], "ttft_p90_ms": res["p90_ttft_ms"],
+            "ttft_p99_ms": res["p99_ttft_ms"], "ttft_mean_ms": res["mean_ttft_ms"],
+            "first_turns_ttft_median_ms": _median_ms([s for s, t in ttfts if t.turn == 0]),
+            "later_turns_ttft_median_ms": _median_ms([s for s, t in ttfts if t.turn > 0]),
+            "output_throughput_tok_s": res["output_throughput"],
+            "duration_s": res["duration"],
+            "tokens": {"prompt": int(delta["prompt"]), "local_prefix": int(delta["local"]),
+                       "connector": int(delta["connector"]),
+                       "computed": int(delta["prompt"] - delta["local"] - delta["connector"]),
+                       "kvcr_loaded": int(delta["kvcr_loaded"])},
+            "kvcr_failures": int(delta["kvcr_failures"])}
+
+
+def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
+          workdir: Path) -> list[dict[str, Any]]:
+    print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
+    guard = GuardProcess(workdir, pool_bytes="2GiB") if case == "kvcr" else None
+    try:
+        servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
+                                _connector(case, workdir, guard), max_num_seqs=16)
+        try:
+            for n, server in enumerate(servers):  # a fresh engine's first request is slow
+                server.ttft([10 + n] * 64, max_tokens=2)
+            return _run_clients(case, setup, model, plans, servers, workdir)
+        finally:
+            for server in servers:
+                server.stop()
+    finally:
+        if guard is not None:
+            guard.stop()
+        shutil.rmtree(workdir / "example-store", ignore_errors=True)
+
+
+def _summary(rows: list[dict[str, Any]], levels: tuple[int, ...]) -> dict[str, Any]:
+    at = {(r["case"], r["concurrency"]): r for r in rows}
+    summary: dict[str, Any] = {}
+    for c in levels:
+        kvcr, vanilla, example = (at[(case, c)] for case in ("kvcr", "vanilla", "example"))
+        summary[f"p90_ttft_ratio_kvcr_vs_vanilla_c{c}"] = kvcr["ttft_p90_ms"] / vanilla[
+            "ttft_p90_ms"]
+        summary[f"p90_ttft_ratio_kvcr_vs_example_c{c}"] = kvcr["ttft_p90_ms"] / example[
+            "ttft_p90_ms"]
+        summary[f"throughput_ratio_kvcr_vs_vanilla_c{c}"] = (
+            kvcr["output_throughput_tok_s"] / vanilla["output_throughput_tok_s"])
+    for case in CASES:
+        served = [r["tokens"] for r in rows if r["case"] == case]
+        summary[f"{case}_local_prefix_tokens"] = sum(t["local_prefix"] for t in served)
+        summary[f"{case}_connector_tokens"] = sum(t["connector"] for t in served)
+    summary["kvcr_failures"] = sum(r["kvcr_failures"] for r in rows)
+    return summary
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"vanilla": "vLLM alone (own prefix cache per engine)",
+              "kvcr": "vLLM + kvcr (guarded, one pool for both engines)",
+              "example": "vLLM + ExampleConnector (one folder for both engines)"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for case, colour in zip(CASES, ("#999999", "#1f77b4", "#ff7f0e"), strict=True):
+        mine = sorted((r["concurrency"], r["ttft_p90_ms"]) for r in rows if r["case"] == case)
+        ax.plot([c for c, _ in mine], [v for _, v in mine], marker="o", color=colour,
+                label=labels[case])
+    ax.set_xscale("log", base=2)
+    levels = sorted({r["concurrency"] for r in rows})
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent requests (vllm bench serve --max-concurrency)")
+    ax.set_ylabel("p90 time to first token (ms)")
+    ax.set_title("Multi-turn shared-prefix chats over two vLLM CPU engines")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-serve") -> int:
+    setup = QUICK if quick else FULL
+    model = str(build(Path(".cache/models") / f"tiny-{setup.preset}", setup.preset))
+    plans = setup.plans()
+    workdir = Path(tempfile.mkdtemp(prefix="kvcrserve", dir="/tmp"))
+    rows = [row for case in CASES for row in _case(case, setup, model, plans, workdir)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = _summary(rows, setup.levels)
+    result = {"bench": "serve", "quick": quick, "model_preset": setup.preset,
+              "shape": asdict(setup.shape), "levels": list(setup.levels), "rows": rows,
+              "summary": summary, "chart": str(chart(rows, out / "serve_p90_ttft.png")),
+              "logs": str(workdir),
+              "targets": {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()},
+              "meets_targets": {k: meets(TARGETS, k, summary[k]) for k in TARGETS}}
+    (out / "serve.json").write_text(json.dumps(result, indent=1))
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_tables(result)
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:>6.0f}" if value is not None else f"{'-':>6}"
+
+
+def _print_tables(result: dict[str, Any]) -> None:
+    shape, summary = result["shape"], result["summary"]
+    k = shape["chunk_tokens"]
+    print(f"kvcr bench serve{' --quick' if result['quick'] else ''}: vllm bench serve "
+          f"against two vLLM servers per case; conversations of {shape['turns']} turns, "
+          f"prompts {shape['system_chunks'] * k} tokens shared + "
+          f"{shape['document_chunks'] * k} per user + "
+          f"{(shape['question_chunks'] + shape['answer_chunks']) * k} per turn, "
+          f"{shape['output_tokens']} output tokens; model preset '{result['model_preset']}'")
+    print(f"{'case':8} {'conc':>4} {'reqs':>4} | {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
+          f"{'new':>6} {'later':>6} ms | {'out tok/s':>9} | {'prompt':>7} {'local':>7} "
+          f"{'conn.':>7} {'computed':>8} | {'p90 vs':>7}")
+    for row in sorted(result["rows"], key=lambda r: (r["concurrency"], CASES.index(r["case"]))):
+        t = row["tokens"]
+        base = next(r for r in result["rows"] if r["case"] == "vanilla"
+                    and r["concurrency"] == row["concurrency"])
+        print(f"{row['case']:8} {row['concurrency']:>4} {row['requests']:>4} | "
+              f"{row['ttft_p50_ms']:>8.0f} {row['ttft_p90_ms']:>6.0f} {row['ttft_p99_ms']:>6.0f} "
+              f"{_ms(row['first_turns_ttft_median_ms'])} {_ms(row['later_turns_ttft_median_ms'])}"
+              "    | "
+              f"{row['output_throughput_tok_s']:>9.1f} | {t['prompt']:>7} "
+              f"{t['local_prefix']:>7} {t['connector']:>7} {t['computed']:>8} | "
+              f"{row['ttft_p90_ms'] / base['ttft_p90_ms']:>6.2f}x")
+    print("(new / later: median TTFT of first turns / of later turns, each on the engine "
+          "that did not serve the previous turn; p90 vs: against vanilla at that concurrency)")
+    for name, (op, bound) in TARGETS.items():
+        verdict = "PASS" if meets(TARGETS, name, summary[name]) else "MISS"
+        print(f"{name:40} {summary[name]:>7.3f}   target {op} {bound:g}  {verdict}")
+    print(f"kvcr failures: {summary['kvcr_failures']}   chart: {result['chart']}   "
+          f"logs: {result['logs']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="concurrency 1 and 8, short chats")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--out", default=".cache/bench-serve", help="where the chart and JSON go")
+    args = ap.parse_args(argv)
+    return run_serve_bench(quick=args.quick, as_json=args.json, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
