@@ -170,7 +170,7 @@ def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
 def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
           workdir: Path) -> list[dict[str, Any]]:
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
-    guard = GuardProcess(workdir, pool_bytes="2GiB") if case == "kvcr" else None
+    guard = GuardProcess(workdir, pool_bytes="2GiB", prefault=True) if case == "kvcr" else None
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
                                 _connector(case, workdir, guard), max_num_seqs=16)
