@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 
+from kvcr_core import Lease  # noqa: E402
 from kvcr_core.attach import AttachClient  # noqa: E402
 from kvcr_core.checksums import block_checksum  # noqa: E402
 from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
@@ -140,17 +141,24 @@ def test_layer_wise_saves_copy_each_layer_when_the_forward_hands_it_over(guard, 
     worker.shutdown()
 
 
-def test_a_load_is_reported_finished_only_after_its_copies_completed(guard, engine) -> None:
-    """get_finished leaves the request out (vLLM keeps it waiting) until its copies landed."""
-    caches = kv_caches(3)
-    saver = make_worker(guard.socket, None)  # inline CPU copies
+def saved_blocks(socket: str, seed: int, blocks: tuple[int, ...], first_token: int
+                 ) -> tuple[dict[str, torch.Tensor], AttachClient, Lease, tuple[int, ...]]:
+    """`blocks` of fresh KV caches saved by an inline worker, then leased by a reader:
+    (the caches, the reader, its lease, the leased slots)."""
+    caches = kv_caches(seed)
+    saver = make_worker(socket, None)  # inline CPU copies
     saver.register_kv_caches(caches)
-    metadata = saves("w", (1, 2, 3), 0)
+    metadata = saves("w", blocks, first_token)
     saver.wait_for_save(metadata)
     saver.shutdown()
-    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
+    reader = AttachClient(socket, SPEC, 2 * PAGE)
     lease = reader.acquire(metadata.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
-    slots = tuple(s for s in lease.slots if s is not None)
+    return caches, reader, lease, tuple(s for s in lease.slots if s is not None)
+
+
+def test_a_load_is_reported_finished_only_after_its_copies_completed(guard, engine) -> None:
+    """get_finished leaves the request out (vLLM keeps it waiting) until its copies landed."""
+    caches, reader, lease, slots = saved_blocks(guard.socket, 3, (1, 2, 3), 0)
     loader_caches = kv_caches(4)
     loader = make_worker(guard.socket, engine)
     loader.register_kv_caches(loader_caches)
@@ -174,15 +182,7 @@ def test_a_synchronous_load_is_complete_before_the_forward_pass(guard, engine) -
     """Risk: start_load_kv returning (and vLLM running the forward pass that reads the blocks)
     before a synchronous load's copies landed, or the load reported where vLLM does not look
     for a synchronous one (get_finished) instead of with the step's output (loads_done)."""
-    caches = kv_caches(5)
-    saver = make_worker(guard.socket, None)
-    saver.register_kv_caches(caches)
-    metadata = saves("w", (1, 2), 100)
-    saver.wait_for_save(metadata)
-    saver.shutdown()
-    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
-    lease = reader.acquire(metadata.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
-    slots = tuple(s for s in lease.slots if s is not None)
+    caches, reader, lease, slots = saved_blocks(guard.socket, 5, (1, 2), 100)
     loader_caches = kv_caches(6)
     loader = make_worker(guard.socket, engine)
     loader.register_kv_caches(loader_caches)
