@@ -7,7 +7,8 @@ Every case runs in its own engine process (cold caches), on the `bench` model pr
 4k-token prefill takes seconds here). TTFT = wall time of `generate(max_tokens=1)` in the
 offline engine: prefill plus the first token, loads included. Both engine modes: the
 in-process engine core and the multiprocess one (`vllm serve`'s), each case with min, median,
-p90 and max over 7 prompts (2 with --quick); plus each fresh engine's first request (kvcr's
+p90 and max over 10 prompts (2 with --quick; with fewer than 10 samples the nearest-rank
+p90 is the maximum); plus each fresh engine's first request (kvcr's
 against vanilla's, both new prompts) and how long each engine took to start (kvcr's engine
 attaches at start-up, when kvcr-guard, run with `--prefault` as deployed, backs the
 namespace's 4 GiB pool: that cost lands there, not on a request). Also reports the KV load
@@ -109,7 +110,7 @@ def run_vllm_bench(*, quick: bool, as_json: bool) -> int:
     preset = "bench"
     model = str(build(Path(".cache/models") / f"tiny-{preset}", preset))
     spec = PRESETS[preset]
-    prompt_tokens, n_prompts = (2048, 2) if quick else (4096, 7)
+    prompt_tokens, n_prompts = (2048, 2) if quick else (4096, 10)
     rng = random.Random(11)
     prompts = [[rng.randrange(10, spec["vocab_size"] - 10) for _ in range(prompt_tokens)]
                for _ in range(n_prompts)]
