@@ -75,6 +75,17 @@ class Guard:
                 return float(line.split()[-1])
         raise KeyError(want)
 
+    def settled_metric(self, name: str, want: float, timeout_s: float = 5.0,
+                       **labels: str) -> float:
+        """The metric once it reached `want` (or its value at the deadline): counters the
+        daemon bumps after the work that a client already saw completed (a peer fetch's
+        served blocks are counted once the last byte was sent, which the fetcher may have
+        read first)."""
+        deadline = time.monotonic() + timeout_s
+        while (value := self.metric(name, **labels)) < want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return value
+
     def rss_anon_kib(self) -> int:
         assert self.proc is not None
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

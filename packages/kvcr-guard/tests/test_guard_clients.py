@@ -155,6 +155,32 @@ def test_sigterm_drains_and_exits_zero_and_leaves_nothing(short_tmp, harness) ->
     assert "shutting down" in guard.logs()
 
 
+def test_a_stop_as_soon_as_the_socket_exists_still_drains(short_tmp, harness) -> None:
+    """Risk: SIGTERM between the socket's bind and the serving loop (a supervisor stopping a
+    daemon that just started; a client that saw the socket and is done) killed the daemon
+    with the default action (exit -15, nothing drained): the handlers were installed only
+    when serving began. Deterministic half: they are in place once the socket is bound."""
+    from kvcr_core.attach import ServerConfig
+    from kvcr_guard.config import GuardConfig
+    from kvcr_guard.daemon import GuardDaemon
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    daemon = GuardDaemon(GuardConfig(server=ServerConfig(
+        socket_path=f"\0kvcr-signal-test-{os.getpid()}")))
+    try:
+        daemon.listen()
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, before[0])
+        os.kill(os.getpid(), signal.SIGTERM)  # before run(): handled, so run() ends at once
+        assert daemon.run() == 0
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    for _ in range(3):  # and as processes: started, then stopped at once, exit 0
+        guard = harness.Guard(short_tmp).start()
+        assert guard.stop(signal.SIGTERM) == 0, guard.logs()
+        guard.log.close()
+
+
 def test_refuses_a_second_daemon_on_a_live_socket(guard) -> None:
     """Starting a second daemon on a served socket fails clearly instead of stealing it."""
     out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", guard.socket],

@@ -95,6 +95,6 @@ def test_posted_hint_lets_sglang_fetch_missing_pages_from_the_named_peer(
         assert node_b.metric("kvcr_hints_total", outcome="accepted") == 2
         assert node_b.metric("kvcr_hints_total", outcome="bad_json") == 1
         assert node_b.metric("kvcr_hint_board_matched_hashes_total") >= len(keys)
-        assert node_a.metric("kvcr_peer_served_blocks_total") == len(keys)
+        assert node_a.settled_metric("kvcr_peer_served_blocks_total", len(keys)) == len(keys)
     finally:
         ctrl.detach_storage_backend()

@@ -30,7 +30,12 @@ class GuardDaemon:
         self.metrics_port: int | None = None
 
     def listen(self) -> None:
-        """Binds the socket, the peer port and the metrics port (raises on failure)."""
+        """Binds the socket, the peer port and the metrics port (raises on failure). SIGTERM
+        and SIGINT are handled from here on: a client may connect, and a supervisor stop the
+        daemon, as soon as the socket exists (a stop before `run` drains at once)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.server.request_shutdown())
         self.server.listen()
         if self.config.metrics_port is not None:
             self.metrics_port = serve_metrics(self.registry, self.config.metrics_host,
@@ -41,9 +46,6 @@ class GuardDaemon:
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT (or `stop`); returns the exit code."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.server.request_shutdown())
         return self.server.serve_forever()
 
     def stop(self) -> None:
