@@ -160,3 +160,37 @@ def test_an_engine_attaches_at_start_up_through_a_slow_namespace_open() -> None:
         client.close()
         server.request_shutdown()
         thread.join(timeout=10)
+
+
+def _rss_shmem_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(prefault: bool) -> None:
+    """Risk: `prefault` is accepted but the embedded pool is still faulted in by the first
+    saves and peer fetches (first-touch faults on the hot path), or an embedded Runner backs
+    pages nobody asked for."""
+    pool = 64 << 20
+    fields = EngineSettings.fields_from(
+        {"pool_bytes": pool, "prefault": prefault}, field="cfg",
+        default_socket=f"\0kvcr-prefault-test-{os.getpid()}-{int(prefault)}")
+    embedded = EmbeddedRunner(EngineSettings(**fields),
+                              runner=KVCRConfig(pool_bytes=pool, namespace_pool_bytes=pool))
+    client = AttachClient(fields["socket"], SPEC, BLOCK, identity="prefault")
+    try:
+        before = _rss_shmem_kib()
+        client.attach()
+        backed = _rss_shmem_kib() - before
+        region_kib = client.pool.region.size_bytes // 1024
+        if prefault:
+            assert backed >= region_kib  # every page, before the Welcome
+        else:
+            assert backed < region_kib // 8
+    finally:
+        client.close()
+        embedded.stop()

@@ -94,9 +94,11 @@ class Node:
         self.stats = StatsRecorder()
         settings = ConnectorSettings.from_extra_config(
             {"mode": "guarded", "socket": "/run/kvcr/unused.sock",
-             "peers": list(sources or {}), "fetch_deadline_s": 2, **(extra or {})}, "e")
+             "peers": list(sources or {}), "fetch_deadline_s": 2, "fetch_wait_s": 0,
+             **(extra or {})}, "e")
         self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
                                                 clients=self.clients, clock=self.clock,
+                                                sleep=self.clock.advance,
                                                 synchronous_loads=synchronous_loads)
 
     def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
@@ -238,6 +240,42 @@ def test_a_hinted_fetch_asks_again_until_every_rank_has_the_prefix(tp: int) -> N
     assert len(plan.slots_by_rank) == tp and all(len(s) == 8 for s in plan.slots_by_rank)
     counters = node.counters()
     assert counters["peer_fetched_blocks"] == 8 and "failures_peer_fetch" not in counters
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_a_short_fetch_is_waited_for_and_loaded_in_the_same_step(pull: bool) -> None:
+    """Risk: a hinted (or pulled) fetch that ends within milliseconds still costs the request
+    whole engine steps of "ask again" (and starves the fetching thread of the GIL while the
+    engine loop spins), where the scheduler could have waited for it."""
+    node = Node(sources={PEER: None}, answer_after_polls=3, extra={"fetch_wait_s": 0.05})
+    source = stocked_source(node, TOKENS)
+    node.clients[0].sources[PEER] = source
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=None if pull else hint(TOKENS, node))
+    sched = node.scheduler
+    sched.on_new_request(request)
+    start = node.clock()
+    assert sched.get_num_new_matched_tokens(request, 0) == (32, True)  # one call: no ask again
+    assert node.clock() - start < 0.05  # it slept only while the fetch ran
+    assert node.clients[0].calls["peer_fetch"] == 1
+    counters = node.counters()
+    assert counters["pulled_blocks" if pull else "peer_fetched_blocks"] == 8
+    assert counters["fetch_wait_expired"] == 0
+
+
+def test_a_long_fetch_is_waited_for_once_then_polled_each_step() -> None:
+    """Risk: the scheduler blocks the engine for a slow peer beyond `fetch_wait_s` (every
+    running request's next token waits), or waits again at every step."""
+    node = Node(sources={PEER: None}, extra={"fetch_wait_s": 0.05})
+    request = FakeRequest("r1", TOKENS, kv_transfer_params=hint(TOKENS, node))
+    sched = node.scheduler
+    sched.on_new_request(request)
+    start = node.clock()
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert 0.05 <= node.clock() - start < 0.06
+    polls = node.clients[0].calls["peer_poll"]
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert node.clock() - start < 0.06 and node.clients[0].calls["peer_poll"] == polls + 1
+    assert node.counters()["fetch_wait_expired"] == 1
 
 
 def test_a_silent_peer_ends_the_wait_at_the_deadline_and_the_request_recomputes() -> None:

@@ -22,6 +22,11 @@ from kvcr_vllm.settings import ConnectorSettings
     ({"timeout_s": 0}, "kv_connector_extra_config.timeout_s"),
     ({"kvcr": {"eviction_polcy": "lru"}}, "eviction_polcy"),
     ({"peer_nixl": "on"}, "kv_connector_extra_config.peer_nixl"),
+    ({"fetch_wait_s": 5}, "kv_connector_extra_config.fetch_wait_s"),
+    ({"fetch_wait_s": "50ms"}, "kv_connector_extra_config.fetch_wait_s"),
+    ({"prefault": "yes"}, "kv_connector_extra_config.prefault"),
+    ({"mode": "guarded", "socket": "/run/kvcr/g.sock", "prefault": True},
+     "kv_connector_extra_config.prefault"),
 ])
 def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
     """A wrong kv_connector_extra_config is a start-up error naming the field and the fix."""
@@ -41,6 +46,9 @@ def test_extra_config_defaults_and_values() -> None:
     assert guarded.socket == "/run/kvcr/g.sock" and guarded.runner.pool_bytes == 2 << 30
     assert guarded.runner.eviction_policy == "arc" and not guarded.save and guarded.load
     assert not default.peer.nixl  # NIXL (pool writable by peers) only when asked for
+    assert default.fetch_wait_s == 0.05 and not default.prefault
+    tuned = ConnectorSettings.from_extra_config({"fetch_wait_s": 0, "prefault": True}, "e")
+    assert tuned.fetch_wait_s == 0 and tuned.prefault
 
 
 def test_stats_aggregate_reduce_and_bounded_labels() -> None:

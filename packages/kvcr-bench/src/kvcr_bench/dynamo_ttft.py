@@ -49,7 +49,7 @@ def _run(model: str, conversations: int, kvcr: bool) -> dict[str, list[dict[str,
     def extra(me: str, other: str) -> dict[str, Any] | None:
         if not kvcr:
             return None
-        return {"pool_bytes": "512MiB", "peer_listen": f"127.0.0.1:{ports[me]}",
+        return {"pool_bytes": "512MiB", "prefault": True, "peer_listen": f"127.0.0.1:{ports[me]}",
                 "peers": [f"tcp://127.0.0.1:{ports[other]}"], "pull_on_miss": False,
                 "secondary_tiers": [{"router_capabilities": ["router_hint"],
                                      "control_ports": [ports[me]],
@@ -83,7 +83,7 @@ def run_dynamo_bench(*, quick: bool, as_json: bool) -> int:
         print(f"kvcr bench dynamo: {reason}", file=sys.stderr)
         return 2
     model = str(build(Path(".cache/models") / "tiny-test", "test"))
-    conversations = 3 if quick else 9
+    conversations = 3 if quick else 15
     print("bench dynamo: vanilla workers ...", file=sys.stderr, flush=True)
     vanilla = _run(model, conversations, kvcr=False)
     print("bench dynamo: kvcr workers ...", file=sys.stderr, flush=True)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr_core.attach import (
     AttachClient,
+    FetchSummary,
     HintedFetch,
     HintedFetcher,
     HintedRun,
@@ -111,8 +112,10 @@ class KVCRConnectorScheduler:
                  peer_endpoint: str | None = None,
                  clients: Sequence[AttachClient] | None = None,
                  publish_events: bool = False, synchronous_loads: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """One attach client per TP rank's namespace (`clients`: given by tests); the
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        """One attach client per TP rank's namespace (`clients`: given by tests; `clock` and
+        `sleep` too, for the fetch waits); the
         embedded Runner's `peer_endpoint` is reported in each finished request's params;
         `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
         `synchronous_loads`: load in the step that runs the request (host KV caches)."""
@@ -127,6 +130,7 @@ class KVCRConnectorScheduler:
                          timeout_s=settings.timeout_s) for spec in specs]
         self.fetcher = HintedFetcher(self.clients, settings.peer.peers,
                                      settings.peer.fetch_deadline_s, clock=clock)
+        self._sleep = sleep
         self.peer_endpoint = peer_endpoint
         self.synchronous_loads = synchronous_loads
         runner = settings.runner
@@ -196,7 +200,9 @@ class KVCRConnectorScheduler:
             return 0, False
         self.stats.add("lookups")
         if hit < n_blocks and self._may_pull(state) and self._start_pull(state, keys, hit):
-            return None, False  # pulling the run a peer holds: ask again next step
+            if self._waited_pending(state):
+                return None, False  # pulling the run a peer holds: ask again next step
+            return self.get_num_new_matched_tokens(request, num_computed_tokens)
         if hit <= local_blocks:
             return 0, False
         state.local_tokens = num_computed_tokens
@@ -213,10 +219,28 @@ class KVCRConnectorScheduler:
             if state.fetch is None:
                 state.hint_done = True
                 return False
-            return True
+            return self._waited_pending(state)
         summary = state.fetch.poll()
         if summary is None:
             return True
+        self._fetch_ended(state, summary)
+        return False
+
+    def _waited_pending(self, state: _RequestState) -> bool:
+        """Right after a fetch started: blocks up to `fetch_wait_s` for it to end, so a short
+        fetch is loaded in this step rather than found done a step or more later (and the
+        Runner's fetching thread is not starved of the GIL by the engine's busy loop)."""
+        assert state.fetch is not None
+        if self.settings.fetch_wait_s <= 0:
+            return True
+        summary = state.fetch.wait_for(self.settings.fetch_wait_s, self._sleep)
+        if summary is None:
+            self.stats.add("fetch_wait_expired")
+            return True
+        self._fetch_ended(state, summary)
+        return False
+
+    def _fetch_ended(self, state: _RequestState, summary: FetchSummary) -> None:
         state.fetch = None
         state.hint_done = True
         if self.events is not None and summary.fetched:
@@ -229,7 +253,6 @@ class KVCRConnectorScheduler:
             self.stats.add("peer_fetched_blocks", summary.fetched)
         if summary.failed:
             self.stats.failure("peer_fetch", summary.failed)
-        return False
 
     def _may_pull(self, state: _RequestState) -> bool:
         return (self.settings.peer.pull_on_miss and bool(self.fetcher.peers)

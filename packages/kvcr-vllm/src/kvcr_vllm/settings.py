@@ -21,6 +21,8 @@ from kvcr_vllm.router_tier import (
     parse_secondary_tiers,
 )
 
+DEFAULT_FETCH_WAIT_S = 0.05  # a few MiB over TCP; other requests' step waits at most this
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -38,6 +40,9 @@ class ConnectorSettings(EngineSettings):
     advertised_endpoint: str | None = None
     """The control endpoint Dynamo names when this engine is the source (its DP rank's)."""
     hint_hashes: HintHashScheme = HintHashScheme.KVCR_V1
+    fetch_wait_s: float = DEFAULT_FETCH_WAIT_S
+    """How long the scheduler may block, once per request, for a peer fetch (a hint's or a
+    pull's) to end before it answers "ask again" (0: never blocks)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], engine_id: str,
@@ -45,7 +50,7 @@ class ConnectorSettings(EngineSettings):
         """`dp_rank`: this engine's local data-parallel rank (its entry of control_ports)."""
         field = "kv_connector_extra_config"
         reject_unknown(extra, field, ENGINE_KEYS | {"load", "save", "secondary_tiers",
-                                                    "hint_hash_scheme"})
+                                                    "hint_hash_scheme", "fetch_wait_s"})
         common = cls.fields_from(extra, field=field,
                                  default_socket=f"\0kvcr-embedded-{engine_id[:36]}")
         flags = {}
@@ -54,6 +59,10 @@ class ConnectorSettings(EngineSettings):
             if not isinstance(value, bool):
                 raise ConfigError(f"{field}.{name}", value, "use true or false")
             flags[name] = value
+        wait = extra.get("fetch_wait_s", DEFAULT_FETCH_WAIT_S)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1:
+            raise ConfigError(f"{field}.fetch_wait_s", wait,
+                              "give seconds in [0, 1] (0: the scheduler never blocks on a fetch)")
         tier = parse_secondary_tiers(extra.get("secondary_tiers"), f"{field}.secondary_tiers")
         if tier is not None:
             check_control_endpoint(tier, common["mode"], common["peer"], dp_rank,
@@ -62,7 +71,7 @@ class ConnectorSettings(EngineSettings):
                                    f"{field}.hint_hash_scheme")
         return cls(**common, load=flags["load"], save=flags["save"], router_hint=tier,
                    advertised_endpoint=tier.endpoint(dp_rank) if tier else None,
-                   hint_hashes=scheme)
+                   hint_hashes=scheme, fetch_wait_s=float(wait))
 
 
 def _dtype_name(dtype: object) -> str:

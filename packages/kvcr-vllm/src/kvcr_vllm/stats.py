@@ -22,7 +22,8 @@ from kvcr_core.hints import HINT_OUTCOMES
 
 COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
             "lookup_hit_tokens", "lookups", "peer_fetched_blocks", "pull_lookups",
-            "pulled_blocks", "pulled_bytes", "hint_unmatched_blocks")
+            "pulled_blocks", "pulled_bytes", "hint_unmatched_blocks",
+            "fetch_wait_expired")
 FAILURE_REASONS = ("guard_unavailable", "load_copy", "save_copy", "evicted_before_load",
                    "save_refused", "config", "peer_not_allowed", "peer_fetch", "load_checksum",
                    "pin_failed")
@@ -123,7 +124,9 @@ class KVCRPromMetrics(KVConnectorPromMetrics):
                 "pulled_blocks": "Blocks pulled from peers on a local miss (verified)",
                 "pulled_bytes": "Bytes of those blocks, every TP rank's shard",
                 "hint_unmatched_blocks": "Hinted block hashes that named no block of the "
-                "request (hint_hash_scheme mismatch or another prompt): not fetched"}
+                "request (hint_hash_scheme mismatch or another prompt): not fetched",
+                "fetch_wait_expired": "Peer fetches still running when the scheduler's "
+                "fetch_wait_s ended (the request waits in later steps)"}
         # vLLM types its metric classes as a union of Counter, Gauge and Histogram
         self._counters: dict[str, Any] = {name: self._counter_cls(
             name=f"vllm:kvcr_{name}_total", documentation=doc, labelnames=labelnames)

@@ -37,7 +37,7 @@ class EmbeddedRunner:
         self.socket_path = settings.socket
         config = runner if runner is not None else settings.runner
         self.server = AttachServer(ServerConfig(socket_path=settings.socket, runner=config,
-                                                peer=settings.peer))
+                                                peer=settings.peer, prefault=settings.prefault))
         self.server.listen()
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)

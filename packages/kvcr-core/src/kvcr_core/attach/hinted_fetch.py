@@ -29,7 +29,7 @@ from kvcr_core.peers.metrics import FetchStatus
 from kvcr_core.types import BlockKey
 
 _ANSWER_GRACE_S = 1.0  # beyond the fetch deadline, for the Runner's last answer
-_WAIT_POLL_S = 0.002
+_WAIT_POLL_S = 0.0005  # a poll is one round trip to the Runner
 
 
 class Skipped(enum.Enum):
@@ -113,6 +113,16 @@ class HintedFetch:
     def wait(self, sleep: Callable[[float], None] = time.sleep) -> FetchSummary:
         """Polls until the fetch ends (bounded by its deadline)."""
         while (summary := self.poll()) is None:
+            sleep(_WAIT_POLL_S)
+        return summary
+
+    def wait_for(self, timeout_s: float,
+                 sleep: Callable[[float], None] = time.sleep) -> FetchSummary | None:
+        """Polls until the fetch ends or `timeout_s` passed (then None: it still runs)."""
+        stop = self._clock() + timeout_s
+        while (summary := self.poll()) is None:
+            if self._clock() >= stop:
+                return None
             sleep(_WAIT_POLL_S)
         return summary
 

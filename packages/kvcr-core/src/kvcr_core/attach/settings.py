@@ -28,7 +28,8 @@ from kvcr_core.peers import PeerSecret, PeerTLS
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
-                         "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen"})
+                         "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen",
+                         "prefault"})
 DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
@@ -149,6 +150,9 @@ class EngineSettings:
     peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
     metrics_listen: tuple[str, int] | None = None
     """Embedded mode: serve the Runner's metrics (`kvcr_*`, `kvcr_peer_*`, process) here."""
+    prefault: bool = False
+    """Embedded mode: back the whole pool when the engine starts (kvcr-guard: --prefault), so
+    saves and fetches never pay first-touch page faults."""
 
     @staticmethod
     def fields_from(extra: Mapping[str, Any], *, field: str,
@@ -180,13 +184,20 @@ class EngineSettings:
             raise ConfigError(f"{field}.metrics_listen", extra["metrics_listen"],
                               "in guarded mode kvcr-guard serves the metrics: use its "
                               "--metrics-host/--metrics-port")
+        prefault = extra.get("prefault", False)
+        if not isinstance(prefault, bool):
+            raise ConfigError(f"{field}.prefault", prefault, "use true or false")
+        if mode is Mode.GUARDED and prefault:
+            raise ConfigError(f"{field}.prefault", prefault,
+                              "in guarded mode kvcr-guard owns the pool: use its --prefault")
         # In guarded mode the daemon dials (and must list the same peers with --peer); the
         # engine only filters hints, so it needs no secret.
         peer = PeerConfig.from_mapping(extra, field=field, load_secret=mode is Mode.EMBEDDED)
         return {"mode": mode, "socket": socket_path or default_socket,
                 "runner": _runner_config(extra, field),
                 "timeout_s": _seconds(f"{field}.timeout_s", extra.get("timeout_s", 2.0)),
-                "identity": identity, "peer": peer, "metrics_listen": metrics}
+                "identity": identity, "peer": peer, "metrics_listen": metrics,
+                "prefault": prefault}
 
 
 def _listen(field: str, value: object) -> tuple[str, int] | None:
