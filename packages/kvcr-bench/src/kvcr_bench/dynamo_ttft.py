@@ -29,7 +29,9 @@ SECRET = "kvcr-bench-dynamo-peer-secret-0123456789abcdef"
 
 
 def _turns(i: int) -> tuple[str, str, str]:
-    first = " ".join(f"topic{i}x{j}" for j in range(300))
+    """Conversation `i` (< 26): a first prompt of about 1,900 tokens (the tiny model's
+    tokenizer; the workers' --max-model-len is 2,048), then its two second turns."""
+    first = " ".join(f"topic{chr(ord('a') + i)}x{j}" for j in range(300))
     return first, f"{first} and then question{i} other", f"{first} and then question{i} same"
 
 

@@ -26,6 +26,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")  # as vllm_servers.CPU_ENV (docs/vllm.md)
 
 
 def transfer_config(job: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any] | None:
