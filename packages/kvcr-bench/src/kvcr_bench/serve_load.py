@@ -53,6 +53,9 @@ class Setup:
     preset: str
     levels: tuple[int, ...]
     shape: Shape
+    requests_min: int = 0
+    """Measured requests per level at least (whole conversations' worth of rounds): a p90
+    over few requests is one burst of arrivals."""
 
     def seats(self, concurrency: int) -> int:
         """More users at once than requests in flight, so a user's next turn usually starts
@@ -61,10 +64,13 @@ class Setup:
 
     def plans(self) -> dict[str, list[Turn]]:
         """The client's traces by request-id prefix: `w<c>` the warm-up, `c<c>` the measured
-        rounds (one full conversation's worth of turns per seat) of concurrency c."""
+        rounds (whole conversations' worth of turns per seat) of concurrency c."""
         out = {}
         for c in self.levels:
-            rounds = schedule(self.seats(c), self.shape.turns, self.shape, 100_000 * c)
+            per_seat = self.seats(c) * self.shape.turns
+            conversations = max(1, -(-self.requests_min // per_seat))
+            rounds = schedule(self.seats(c), self.shape.turns * conversations, self.shape,
+                              100_000 * c)
             out[f"w{c}"] = rounds[0]
             out[f"c{c}"] = [turn for row in rounds[1:] for turn in row]
         return out
@@ -72,7 +78,7 @@ class Setup:
 
 FULL = Setup("bench", (1, 4, 8, 16), Shape(turns=6, system_chunks=16, document_chunks=32,
                                            question_chunks=2, answer_chunks=2,
-                                           output_tokens=16))
+                                           output_tokens=16), requests_min=100)
 QUICK = Setup("bench", (1, 8), Shape(turns=3, system_chunks=16, document_chunks=16,
                                      question_chunks=1, answer_chunks=1, output_tokens=16))
 
