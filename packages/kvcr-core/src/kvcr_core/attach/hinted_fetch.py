@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -111,9 +112,9 @@ class HintedFetch:
         return None
 
     def wait(self, sleep: Callable[[float], None] = time.sleep) -> FetchSummary:
-        """Polls until the fetch ends (bounded by its deadline)."""
-        while (summary := self.poll()) is None:
-            sleep(_WAIT_POLL_S)
+        """Polls until the fetch ends (`poll` ends it by its deadline)."""
+        summary = self.wait_for(math.inf, sleep)
+        assert summary is not None  # no timeout: only the deadline ends the wait
         return summary
 
     def wait_for(self, timeout_s: float,
