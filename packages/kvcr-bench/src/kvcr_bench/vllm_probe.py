@@ -6,8 +6,9 @@ Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or
 path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
 optional kv_transfer_params, kv_hints (vLLM's own hint envelope, as JSON), max_tokens and
 reset_prefix_cache), `hold` (then wait to be killed), `multiprocess` (true: the engine core in
-a child process, as `vllm serve` runs it; default in-process) and `bad_extra` (first try an
-invalid extra config and report the start-up error). Prints one
+a child process, as `vllm serve` runs it; default in-process), `omp_threads` (the engine's
+OpenMP threads; default 2) and `bad_extra` (first try an invalid extra config and report the
+start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, the engine's kvcr / prefix-cache metrics after it, and how long the
 engine took to start.
@@ -89,6 +90,8 @@ def main() -> None:
     job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if "multiprocess" in job:  # the engine core in a child process, as `vllm serve` runs it
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if job["multiprocess"] else "0"
+    if "omp_threads" in job:
+        os.environ["OMP_NUM_THREADS"] = str(int(job["omp_threads"]))
     from vllm import SamplingParams
 
     if job.get("bad_extra") is not None:

@@ -13,11 +13,19 @@ against vanilla's, both new prompts) and how long each engine took to start (kvc
 attaches at start-up, when kvcr-guard, run with `--prefault` as deployed, backs the
 namespace's 4 GiB pool: that cost lands there, not on a request). Also reports the KV load
 throughput (bytes moved per second of load time).
+
+OpenMP threads: in-process, two (one per core here); multiprocess, one core fewer, as
+vLLM's CPU tuning advises (`VLLM_CPU_NUM_OF_RESERVED_CPU`): there the engine core's process
+busy-polls (sched_yield) for the worker's reply for a second after each one, so with a
+thread on every core one of them shares its core with that loop and the forward pass runs
+at its pace (hits of 30 or 80-120 ms at random on 2 cores; docs/vllm.md). Every case of a
+mode runs with the same count.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -64,7 +72,7 @@ def _cases(base: dict[str, Any], prompts: list[list[int]], multiprocess: bool
            ) -> dict[str, list[dict[str, Any]]]:
     """The four cases in one engine mode, each in fresh engine processes: rows per case, plus
     the first request of a fresh vanilla and of a fresh kvcr engine (both new prompts)."""
-    base = {**base, "multiprocess": multiprocess}
+    base = {**base, "multiprocess": multiprocess, "omp_threads": omp_threads(multiprocess)}
     mode = "multiprocess" if multiprocess else "in-process"
     one = [{"tokens": p, "max_tokens": 1} for p in prompts]
     # A loading engine's first request is also its first forward pass ever (allocations,
@@ -94,6 +102,13 @@ def _cases(base: dict[str, Any], prompts: list[list[int]], multiprocess: bool
     return {"recompute": vanilla[0::2], "local_prefix": vanilla[1::2], "kvcr": kvcr,
             "example_connector": example, "first_vanilla": vanilla[:1],
             "first_kvcr": stored[:1]}
+
+
+def omp_threads(multiprocess: bool) -> int:
+    """The engines' OpenMP threads in a mode: a core is left to the multiprocess engine
+    core's busy-polling process (see the module header)."""
+    cores = os.cpu_count() or 2
+    return max(1, min(2, cores - 1 if multiprocess else cores))
 
 
 def _ratios(cases: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
@@ -140,6 +155,7 @@ def run_vllm_bench(*, quick: bool, as_json: bool) -> int:
                          if load_sum else None)})
     result = {"bench": "vllm", "quick": quick, "model_preset": preset,
               "prompt_tokens": prompt_tokens, "prompts": n_prompts,
+              "omp_threads": {"inproc": omp_threads(False), "mp": omp_threads(True)},
               "kv_bytes_per_token": kv_bytes_per_token, "summary": summary,
               "spread_ms": {mode: {case: spread_ms(rows) for case, rows in cases.items()
                                    if not case.startswith("first_")}
@@ -163,7 +179,9 @@ def _print_tables(result: dict[str, Any], quick: bool) -> None:
           f"({result['kv_bytes_per_token'] // 1024} KiB of KV per token); TTFT in ms")
     for mode, title in (("inproc", "in-process engine core"),
                         ("mp", "multiprocess engine core (as vllm serve)")):
-        print(f"  {title}:")
+        threads = omp_threads(mode == "mp")
+        print(f"  {title}, {threads} OpenMP thread{'s' if threads > 1 else ''} per engine "
+              f"on {os.cpu_count()} cores:")
         print(f"    {'case':32} {'min':>8} {'median':>8} {'p90':>8} {'max':>8}")
         for case, label in (("recompute", "(a) recompute"),
                             ("local_prefix", "(b) same-engine prefix hit"),
