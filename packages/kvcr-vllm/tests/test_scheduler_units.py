@@ -257,6 +257,11 @@ def test_a_short_fetch_is_waited_for_and_loaded_in_the_same_step(pull: bool) -> 
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True)  # one call: no ask again
     assert node.clock() - start < 0.05  # it slept only while the fetch ran
     assert node.clients[0].calls["peer_fetch"] == 1
+    # one lookup (the local prefix before the fetch): the completed fetch answers the hit
+    assert node.clients[0].calls["lookup"] == 1
+    sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
+    (plan,) = sched.build_connector_meta(output()).loads
+    assert len(plan.block_ids) == 8  # the lease found every fetched block
     counters = node.counters()
     assert counters["pulled_blocks" if pull else "peer_fetched_blocks"] == 8
     assert counters["fetch_wait_expired"] == 0

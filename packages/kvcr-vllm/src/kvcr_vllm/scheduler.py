@@ -23,7 +23,8 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   fetch the hinted blocks that extend kvcr's local prefix into every rank's namespace (core's
   `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
   again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
-  lookup and load follow. A hint naming any other endpoint is refused and counted. Hinted
+  lookup and load follow (no lookup when the fetch completed the prompt: the lease checks).
+  A hint naming any other endpoint is refused and counted. Hinted
   hashes are matched per block under `hint_hash_scheme` (kvcr_vllm.request_hints); hashes
   that name no block of the request are counted and never fetched.
 - Pull on miss (`pull_on_miss`, on where `peers` are set; requests without a hint): when
@@ -85,6 +86,7 @@ class _RequestState:
     loading_ops: list[OpId] | None = None  # leases per rank while a load runs
     loaded_tokens: int = 0
     fetch: HintedFetch | None = None  # a hinted (or pulled) peer fetch in flight
+    fetched_through: int = 0  # a fetch just made blocks [0, this) READY on every rank
     hint_done: bool = False
     pulling: bool = False  # the fetch in flight is a pull on miss
     pull_tried: bool = False
@@ -193,12 +195,16 @@ class KVCRConnectorScheduler:
         if n_blocks <= local_blocks:
             return 0, False
         keys = self._keys(state, n_blocks)
-        try:
-            hit = min(c.lookup(k) for c, k in zip(self.clients, keys, strict=True))
-        except RunnerUnavailable:
-            self.stats.failure("guard_unavailable")
-            return 0, False
-        self.stats.add("lookups")
+        if state.fetched_through >= n_blocks:
+            hit = n_blocks  # a fetch just completed the prompt: no lookup (the lease checks)
+        else:
+            try:
+                hit = min(c.lookup(k) for c, k in zip(self.clients, keys, strict=True))
+            except RunnerUnavailable:
+                self.stats.failure("guard_unavailable")
+                return 0, False
+        self.stats.add("lookups")  # (the alerts' denominator: one per decision either way)
+        state.fetched_through = 0
         if hit < n_blocks and self._may_pull(state) and self._start_pull(state, keys, hit):
             if self._waited_pending(state):
                 return None, False  # pulling the run a peer holds: ask again next step
@@ -243,6 +249,8 @@ class KVCRConnectorScheduler:
     def _fetch_ended(self, state: _RequestState, summary: FetchSummary) -> None:
         state.fetch = None
         state.hint_done = True
+        # the run extended the local prefix: with nothing failed, READY through its end
+        state.fetched_through = summary.run.end if not summary.failed else 0
         if self.events is not None and summary.fetched:
             run = summary.run
             self.events.track(state.request, run.start, run.end, self._keys(state, run.end))
