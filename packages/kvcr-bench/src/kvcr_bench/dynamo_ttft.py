@@ -4,7 +4,8 @@ worker's embedded runner serving the other, Dynamo's router hints on), in one ru
 
 Each conversation's first turn (a new long prompt) is pinned to worker A; its second turn
 (the first turn plus a question) goes once to worker B (the other worker: with kvcr, B
-fetches the prefix from A on Dynamo's hint) and once to A (a same-worker prefix hit). Time
+fetches the prefix from A on Dynamo's hint, over NIXL where it is installed, as docs/dynamo.md
+advises for workers on one node, else TCP) and once to A (a same-worker prefix hit). Time
 to first token = wall time of a one-token completion. Reports p50/p90 per case and the share
 of B's prompt tokens served from cache; target: kvcr's second turn on the other worker
 within 1.2x of a same-worker prefix hit. Needs .venv-dynamo (scripts/setup_dynamo.sh).
@@ -23,6 +24,7 @@ from typing import Any
 from kvcr_bench.copies import meets
 from kvcr_bench.dynamo_rig import DynamoRig, low_port, missing
 from kvcr_bench.tiny_model import build
+from kvcr_core.peers.nixl_engine import nixl_installed
 
 TARGETS = {"ttft_ratio_other_worker_vs_same_worker_kvcr": ("<=", 1.2)}
 SECRET = "kvcr-bench-dynamo-peer-secret-0123456789abcdef"
@@ -53,6 +55,7 @@ def _run(model: str, conversations: int, kvcr: bool) -> dict[str, list[dict[str,
             return None
         return {"pool_bytes": "512MiB", "prefault": True, "peer_listen": f"127.0.0.1:{ports[me]}",
                 "peers": [f"tcp://127.0.0.1:{ports[other]}"], "pull_on_miss": False,
+                "peer_nixl": nixl_installed(),
                 "secondary_tiers": [{"router_capabilities": ["router_hint"],
                                      "control_ports": [ports[me]],
                                      "control_advertise_host": "127.0.0.1"}]}
@@ -103,7 +106,9 @@ def run_dynamo_bench(*, quick: bool, as_json: bool) -> int:
         "other_worker_prompt_share_cached_vanilla":
             sum(r["cached"] for r in vanilla["other"])
             / sum(r["prompt_tokens"] for r in vanilla["other"])}
+    transport = "NIXL" if nixl_installed() else "TCP (NIXL is not installed)"
     result = {"bench": "dynamo", "quick": quick, "conversations": conversations,
+              "peer_transport": transport,
               "spread_ms": spread, "summary": summary,
               "targets": {k: f"{op} {v:g}" for k, (op, v) in TARGETS.items()},
               "meets_targets": {k: meets(TARGETS, k, summary[k]) for k in TARGETS}}
@@ -111,7 +116,8 @@ def run_dynamo_bench(*, quick: bool, as_json: bool) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"kvcr bench dynamo{' --quick' if quick else ''}: {conversations} conversations "
-          "through Dynamo 1.6.1 (kv router), two CPU workers, tiny model; TTFT in ms")
+          f"through Dynamo 1.6.1 (kv router), two CPU workers, tiny model, peer transport "
+          f"{transport}; TTFT in ms")
     print(f"  {'workers':8} {'case':34} {'p50':>8} {'p90':>8} {'max':>8}")
     for name in ("vanilla", "kvcr"):
         for case, label in (("first", "turn 1 (new prompt) on A"),
