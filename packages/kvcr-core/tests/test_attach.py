@@ -194,3 +194,47 @@ def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(prefault: bool) 
     finally:
         client.close()
         embedded.stop()
+
+
+def test_an_event_about_a_closed_connection_never_reaches_its_descriptors_next_owner() -> None:
+    """Risk: one select batch holds a client's pidfd event after that client's connection
+    closed and a new client's connection took its descriptor number; an event keyed by the
+    number would disconnect the new client ("client process exited") for nothing. The loop
+    is driven from this thread, so the stale event is handed over exactly."""
+    import selectors
+    import threading
+
+    from kvcr_core.attach import AttachServer
+
+    # (not "kvcr-...": `kvcr status --embedded` in a parallel test would probe it unserved)
+    server = AttachServer(ServerConfig(socket_path=f"\0kvcrtest-stale-{os.getpid()}",
+                                       runner=KVCRConfig(pool_bytes=1 << 22,
+                                                         namespace_pool_bytes=1 << 22)))
+    server.listen()
+
+    def attached(client: AttachClient) -> None:
+        done = threading.Thread(target=client.try_attach, args=(10.0,), daemon=True)
+        done.start()
+        while done.is_alive():
+            server._turn()
+        assert client.attached
+
+    try:
+        first = AttachClient(server.config.socket_path, SPEC, BLOCK, identity="first")
+        attached(first)
+        (old,) = (c for c in server._conns.values() if c.session.identity == "first")
+        assert old.pidfd is not None
+        stale = server._sel.get_key(old.pidfd)  # its pidfd's event, as select returns it
+        first.close()
+        while server._conns.get(old.fd) is old:
+            server._turn()  # EOF: closed
+        second = AttachClient(server.config.socket_path, SPEC, BLOCK, identity="second")
+        attached(second)
+        new = server._conns[old.fd]  # the descriptor number was reused
+        assert new.session.identity == "second"
+        server._dispatch(stale, selectors.EVENT_READ)
+        assert server._conns.get(new.fd) is new  # still connected
+        second.close()
+    finally:
+        server.request_shutdown()
+        server._shutdown()

@@ -73,10 +73,33 @@ def test_metrics_listen_is_checked_and_guarded_mode_points_at_the_daemon() -> No
                                    default_socket="x")
 
 
+def _broken_runner_socket() -> tuple[str, object]:
+    """A "@kvcr-..." listener that hangs up on every probe (a runner shutting down)."""
+    import socket
+    import threading
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"\0kvcr-embedded-broken-{os.getpid()}")
+    listener.listen()
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the test is over
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    return f"@kvcr-embedded-broken-{os.getpid()}", listener
+
+
 def test_kvcr_status_finds_embedded_runners_by_socket_or_identity() -> None:
     """Risk: `kvcr status` reaches only kvcr-guard, so an operator cannot look into the
-    default (embedded) deployment at all."""
+    default (embedded) deployment at all; or one runner it cannot read (hung, shutting
+    down) hides every other one."""
     runner = embedded("statusme")
+    broken, listener = _broken_runner_socket()
     client = AttachClient(runner.socket_path, SPEC, BLOCK, identity="vllm-worker-abc-tp0")
     client.lookup(list(block_keys(SPEC.digest(), list(range(4)), 4)))
     try:
@@ -92,12 +115,14 @@ def test_kvcr_status_finds_embedded_runners_by_socket_or_identity() -> None:
             assert report["identities"] == ["vllm-worker-abc-tp0"]
             assert report["namespaces"][0]["namespace"] == SPEC.digest().hex()
         table = subprocess.run([KVCR, "status", "--embedded"], capture_output=True, text=True,
-                               timeout=30, check=True).stdout
-        assert name in table and "vllm-worker-abc-tp0" in table
+                               timeout=30, check=False)
+        assert name in table.stdout and "vllm-worker-abc-tp0" in table.stdout
+        assert table.returncode == 1 and f"cannot read {broken}" in table.stderr
         missing = subprocess.run([KVCR, "status", "--embedded", "no-such-engine"],
                                  capture_output=True, text=True, timeout=30, check=False)
         assert missing.returncode == 1 and "no embedded runner matches" in missing.stderr
     finally:
+        listener.close()  # type: ignore[attr-defined]
         client.close()
         runner.stop()
 

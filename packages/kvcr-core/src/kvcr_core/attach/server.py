@@ -64,11 +64,12 @@ _QUIET = frozenset({CloseReason.EOF, CloseReason.CLIENT_DIED, CloseReason.SHUTDO
 
 
 class _Conn:
-    __slots__ = ("deadline", "events", "inbuf", "outbuf", "pidfd", "queued", "session",
+    __slots__ = ("deadline", "events", "fd", "inbuf", "outbuf", "pidfd", "queued", "session",
                  "sock")
 
     def __init__(self, sock: socket.socket, session: ClientSession, deadline: float) -> None:
         self.sock = sock
+        self.fd = sock.fileno()  # its key in the server's table while it is open
         self.session = session
         self.inbuf = bytearray()
         self.outbuf = bytearray()
@@ -230,14 +231,14 @@ class AttachServer:
         elif tag == "wake":
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
-        elif isinstance(tag, tuple):  # ("pidfd", conn fd)
-            conn = self._conns.get(tag[1])
-            if conn is not None:
-                self._close(conn, CloseReason.CLIENT_DIED, "client process exited")
-        else:
-            conn = self._conns.get(tag)
-            if conn is not None:
-                self._guarded(conn, self._io, events)
+        elif isinstance(tag, tuple):  # ("pidfd", its connection)
+            if self._open(tag[1]):
+                self._close(tag[1], CloseReason.CLIENT_DIED, "client process exited")
+        elif self._open(tag):
+            self._guarded(tag, self._io, events)
+
+    def _open(self, conn: _Conn) -> bool:  # (an event may outlive its connection's close)
+        return self._conns.get(conn.fd) is conn
 
     def _guarded(self, conn: _Conn, work: object, *args: object) -> None:
         """Runs `work(conn, *args)`; a fault in it closes this connection only."""
@@ -276,7 +277,7 @@ class AttachServer:
         self._next_owner += 1
         conn = _Conn(sock, ClientSession(owner, pid, uid, self),
                      time.monotonic() + self.config.handshake_timeout_s)
-        self._conns[sock.fileno()] = conn
+        self._conns[conn.fd] = conn
         self._pending += 1
         sock.setblocking(False)
         self._interest(conn)
@@ -381,11 +382,10 @@ class AttachServer:
             want |= selectors.EVENT_READ
         if want == conn.events:
             return
-        fd = conn.sock.fileno()
         if conn.events and want:
-            self._sel.modify(conn.sock, want, fd)
+            self._sel.modify(conn.sock, want, conn)
         elif want:
-            self._sel.register(conn.sock, want, fd)
+            self._sel.register(conn.sock, want, conn)
         else:
             self._sel.unregister(conn.sock)
         conn.events = want
@@ -398,7 +398,7 @@ class AttachServer:
             conn.pidfd = os.pidfd_open(pid)
         except OSError:  # another pid namespace, or already gone (EOF will tell)
             return
-        self._sel.register(conn.pidfd, selectors.EVENT_READ, ("pidfd", conn.sock.fileno()))
+        self._sel.register(conn.pidfd, selectors.EVENT_READ, ("pidfd", conn))
 
     def _refuse(self, conn: _Conn, reason: CloseReason, detail: str, *,
                 goodbye: bool = True) -> None:
@@ -408,9 +408,9 @@ class AttachServer:
         self._close(conn, reason, detail)
 
     def _close(self, conn: _Conn, reason: CloseReason, detail: str) -> None:
-        fd = conn.sock.fileno()
-        if self._conns.pop(fd, None) is None:
+        if not self._open(conn):
             return
+        del self._conns[conn.fd]
         if conn.events:
             self._sel.unregister(conn.sock)
         if conn.pidfd is not None:

@@ -50,25 +50,32 @@ def run_status(socket_path: str | None, *, as_json: bool, embedded: str | None =
 
 
 def _show(sockets: list[str], *, as_json: bool, match: str | None) -> int:
+    """Reports every runner it can read; one it cannot (hung, shutting down) is named on
+    stderr and hides none of the others. Exit 1: nothing to show, or, when listing every
+    runner, one could not be read."""
     reports = []
+    unreadable = 0
     for path in sockets:
         try:
             status = fetch_status(socket_address(path))
         except (OSError, p.FrameError, msgspec.MsgspecError, ValueError) as exc:
             print(f"kvcr status: cannot read {path}: {exc}", file=sys.stderr)
-            return 1
+            unreadable += 1
+            continue
         if match and match not in path and not any(match in i for i in status["identities"]):
             continue
         reports.append(status)
     if match is not None and not reports:
         print(f"kvcr status: no embedded runner matches {match!r}", file=sys.stderr)
         return 1
+    if not reports:
+        return 1
     if as_json:
         print(json.dumps(reports[0] if match is None else reports, indent=2))
-        return 0
-    for status in reports:
-        _print_table(status)
-    return 0
+    else:
+        for status in reports:
+            _print_table(status)
+    return 1 if unreadable and not match else 0
 
 
 def _print_table(status: dict[str, Any]) -> None:
