@@ -5,6 +5,9 @@ complete publishes nothing."""
 from __future__ import annotations
 
 import signal
+import time
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -12,6 +15,7 @@ torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setu
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 
 from kvcr_core.attach import AttachClient  # noqa: E402
+from kvcr_core.copyengine import CpuCopyEngine  # noqa: E402
 from kvcr_core.keys import NamespaceSpec, sequence_keys  # noqa: E402
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan  # noqa: E402
 from kvcr_vllm.settings import ConnectorSettings  # noqa: E402
@@ -31,9 +35,43 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": storage[i] for i in range(2)}
 
 
-def make_worker(socket: str, stats: StatsRecorder) -> KVCRConnectorWorker:
+def make_worker(socket: str, stats: StatsRecorder, **kwargs: Any) -> KVCRConnectorWorker:
     settings = ConnectorSettings.from_extra_config({"mode": "guarded", "socket": socket}, "e")
-    return KVCRConnectorWorker(settings, SPEC, 0, 2 * PAGE, NUM_BLOCKS, stats, "engine")
+    return KVCRConnectorWorker(settings, SPEC, 0, 2 * PAGE, NUM_BLOCKS, stats, "engine",
+                               **kwargs)
+
+
+class SlowCopies(CpuCopyEngine):
+    """Inline copies that take at least 50 ms a batch."""
+
+    def copy(self, pairs: Sequence[Any]) -> None:
+        time.sleep(0.05)
+        super().copy(pairs)
+
+
+def test_a_synchronous_loads_time_includes_its_copy(guard) -> None:
+    """Risk: `vllm:kvcr_load_seconds` measured from after an inline (CPU) copy to its
+    report, so dashboards showed loads of microseconds whatever they cost."""
+    keys = sequence_keys(SPEC, list(range(2 * BLOCK)))
+    a = make_worker(guard.socket, StatsRecorder())
+    a.register_kv_caches(kv_caches(1))
+    a.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("r1", (3, 4), (tuple(keys),))]))
+    a.shutdown()
+    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
+    lease = reader.acquire(keys)
+    stats = StatsRecorder()
+    b = make_worker(guard.socket, stats, copy_engine=SlowCopies())
+    b.register_kv_caches(kv_caches(2))
+    b.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
+        "r2", (9, 10), (tuple(s for s in lease.slots if s is not None),), synchronous=True)]))
+    assert b.loads_done() is not None
+    taken = stats.take()
+    assert taken is not None
+    (seconds,) = taken.data["load_seconds"]
+    assert seconds >= 0.05  # the copy's time is the load's
+    reader.release(lease.op)
+    reader.close()
+    b.shutdown()
 
 
 @pytest.mark.parametrize("synchronous", [False, True])

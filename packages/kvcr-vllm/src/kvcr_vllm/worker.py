@@ -142,11 +142,12 @@ class KVCRConnectorWorker:
             self._saves.begin(metadata)
 
     def start_load_kv(self, metadata: KVCRConnectorMetadata) -> None:
+        began = time.perf_counter()  # (a CPU load copies while it is issued)
         issued = [plan for plan in metadata.loads if self._issue_load(plan)]
         if issued:
             assert self.copy_engine is not None
-            job, now = self.copy_engine.record(), time.perf_counter()
-            self._loads += [(plan, job, now) for plan in issued]
+            job = self.copy_engine.record()
+            self._loads += [(plan, job, began) for plan in issued]
             if any(plan.synchronous for plan in issued):
                 with contextlib.suppress(CopyFailed):  # (the poll reports a failed copy)
                     job.wait()  # this step's forward pass reads these blocks
