@@ -190,7 +190,7 @@ class AttachServer:
         for _ in range(len(self._runq)):
             conn = self._runq.popleft()
             conn.queued = False
-            if conn.sock.fileno() in self._conns:
+            if self._open(conn):
                 self._guarded(conn, self._serve_one)
         self._timers()
 
@@ -252,7 +252,7 @@ class AttachServer:
     def _io(self, conn: _Conn, events: int) -> None:
         if events & selectors.EVENT_WRITE:
             self._flush(conn)
-        if events & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+        if events & selectors.EVENT_READ and self._open(conn):
             self._read(conn)
 
     def _accept(self) -> None:
