@@ -44,10 +44,15 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
                  "throughput_ratio_kvcr_vs_vanilla_c8"):
         assert summary[name] > 0
         assert isinstance(result["meets_targets"][name], bool)
+    assert summary["later_turns_p90_ttft_ratio_kvcr_vs_vanilla_c8"] > 0
     rows = {(r["case"], r["concurrency"]): r for r in result["rows"]}
     assert set(rows) == {(case, c) for case in ("vanilla", "kvcr", "example") for c in (1, 8)}
     for row in rows.values():
         assert row["ttft_p90_ms"] > 0 and row["output_throughput_tok_s"] > 0
+        # first (cold) and later turns are told apart: the p90's make-up is visible
+        assert 0 < row["first_turns_share"] < 1
+        assert row["first_turns_ttft_p90_ms"] >= row["first_turns_ttft_median_ms"] > 0
+        assert row["later_turns_ttft_p90_ms"] >= row["later_turns_ttft_median_ms"] > 0
         assert row["tokens"]["prompt"] > 0
         assert row["tokens"]["local_prefix"] > 0  # the shared system prompt, on every engine
     assert summary["kvcr_connector_tokens"] > 0

@@ -79,13 +79,16 @@ class Process:
 
 
 class GuardProcess(Process):
-    def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False
-                 ) -> None:
+    def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False,
+                 whole_pool: bool = False) -> None:
         """`prefault`: back each namespace's pool when it opens (`--prefault`, as the
-        Kubernetes manifests run it), so no copy pays first-touch page faults."""
+        Kubernetes manifests run it), so no copy pays first-touch page faults. `whole_pool`:
+        one namespace may take the whole pool (`--namespace-pool-bytes` = the pool, as the
+        manifests run a node of one model); else the daemon's default quarter share."""
         self.socket = str(workdir / "guard.sock")
+        share = ["--namespace-pool-bytes", pool_bytes] if whole_pool else []
         super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
-                          "--pool-bytes", pool_bytes, "--log-level", "WARNING",
+                          "--pool-bytes", pool_bytes, "--log-level", "WARNING", *share,
                           *(["--prefault"] if prefault else [])],
                          workdir / "guard.log")
         deadline = time.monotonic() + 30
