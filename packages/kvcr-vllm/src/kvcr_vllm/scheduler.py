@@ -192,10 +192,11 @@ class KVCRConnectorScheduler:
         # token itself (so it can sample the next one).
         n_blocks = request.num_tokens // bs
         local_blocks = num_computed_tokens // bs
+        fetched, state.fetched_through = state.fetched_through, 0  # good for this decision only
         if n_blocks <= local_blocks:
             return 0, False
         keys = self._keys(state, n_blocks)
-        if state.fetched_through >= n_blocks:
+        if fetched >= n_blocks:
             hit = n_blocks  # a fetch just completed the prompt: no lookup (the lease checks)
         else:
             try:
@@ -204,7 +205,6 @@ class KVCRConnectorScheduler:
                 self.stats.failure("guard_unavailable")
                 return 0, False
         self.stats.add("lookups")  # (the alerts' denominator: one per decision either way)
-        state.fetched_through = 0
         if hit < n_blocks and self._may_pull(state) and self._start_pull(state, keys, hit):
             if self._waited_pending(state):
                 return None, False  # pulling the run a peer holds: ask again next step
