@@ -3,11 +3,8 @@
 Owns the plan (runs of consecutive blocks and slots: one strided copy per run and plane, as
 `block_pairs` lays them out) and the engines that carry it out, behind one small interface:
 
-- `CpuCopyEngine`: inline, finished when `copy` returns. On CPU a copy thread was measured
-  5-100x slower (starved by the engine's OpenMP threads), so copies stay inline. With one
-  torch intra-op thread (a multiprocess vLLM engine that leaves a core to its engine core)
-  a page run moves with numpy's copy (memmove per row: ~20% faster here than `copy_`'s
-  loop on one thread); with more, `copy_` splits it over the threads and wins.
+- `CpuCopyEngine`: `Tensor.copy_` inline, finished when `copy` returns. On CPU a copy thread
+  was measured 5-100x slower (starved by the engine's OpenMP threads), so copies stay inline.
 - `CudaCopyEngine` (kvcr_core.cudacopy, loaded only for a CUDA device): the pool mapping
   registered with CUDA, copies on a stream of its own, an event per `record`.
 - `ThreadedCopyEngine` (kvcr_core.testing): CPU copies completed later on a helper thread, so
@@ -32,10 +29,9 @@ may be shared by threads (CUDA streams are); `PoolBinding` is thread-safe.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvcr_core.memory import HostRegion, SlotPool
 
@@ -93,8 +89,7 @@ DONE = DoneJob()
 
 
 class CpuCopyEngine:
-    """Copies inline, in the caller's thread: numpy's copy with one torch thread, else
-    `copy_` (see the module header)."""
+    """Today's copies: `copy_` inline, in the caller's thread."""
 
     asynchronous = False
     pin_failures = 0
@@ -108,19 +103,6 @@ class CpuCopyEngine:
         return None
 
     def copy(self, pairs: Sequence[Pair]) -> None:
-        import torch
-
-        numpy = _numpy() if torch.get_num_threads() == 1 else None
-        if numpy is not None:
-            for dst, src in pairs:
-                if dst.dtype == src.dtype == torch.uint8 and dst.shape == src.shape:
-                    try:
-                        numpy.copyto(dst.numpy(), src.numpy())
-                        continue
-                    except (RuntimeError, TypeError):  # not viewable as an array: torch's way
-                        pass
-                dst.copy_(src)
-            return
         for dst, src in pairs:
             dst.copy_(src)
 
@@ -129,16 +111,6 @@ class CpuCopyEngine:
 
     def fence(self) -> None:
         return None
-
-
-@functools.cache
-def _numpy() -> Any:
-    """numpy, or None where it is not installed (torch does not require it)."""
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 def engine_for(device: torch.device) -> CopyEngine:
