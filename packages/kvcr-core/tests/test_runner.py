@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import CapacityError, ClosedError, ConfigError, UnknownNamespaceError
 from kvcr_core.keys import NamespaceSpec, sequence_keys
+from kvcr_core.memory import HostRegion
 from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
@@ -169,3 +170,41 @@ def test_runner_hint_intake_uses_config_limits(registry: CollectorRegistry) -> N
         assert hint is not None and hint.all_hashes() == {1, 2}
     assert sample(registry, "kvcr_hints_total", outcome="too_many_hashes") == 1
     assert sample(registry, "kvcr_hints_total", outcome="accepted") == 1
+
+
+def _resident(region: HostRegion) -> bool:
+    """Whether every page of a region's mapping is backed (mincore over the mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * -(-region.size_bytes // mmap.PAGESIZE))()
+    assert libc.mincore(ctypes.c_void_p(region.address), ctypes.c_size_t(region.size_bytes),
+                        vec) == 0
+    return all(v & 1 for v in vec)
+
+
+def test_the_first_pool_is_backed_before_any_namespace_opens(registry: CollectorRegistry
+                                                              ) -> None:
+    """Risk (kvcr-guard --prefault): backing a pool while the first engine attaches and
+    starts serving slows its first requests; the pre-backed memory must be the one the first
+    namespace gets (not a second allocation), a namespace of another size must not keep it
+    (the pool budget would be spent twice), and later namespaces are made as before."""
+    cfg = KVCRConfig(pool_bytes=40 * BLOCK, namespace_pool_bytes=16 * BLOCK)
+    with Runner(cfg, registry=registry) as runner:
+        assert runner.back_first_pool() == 16 * BLOCK
+        backed = runner._backed
+        assert backed is not None and _resident(backed)
+        first = runner.open_namespace(SPEC, BLOCK)
+        assert first.pool.region is backed and first.pool.capacity_slots == 16
+        assert runner.back_first_pool() == 0  # a namespace is open: nothing more to back
+        other = runner.open_namespace(NamespaceSpec(**{**SPEC.__dict__, "tenant": "b"}), BLOCK)
+        assert other.pool.region is not backed and other.pool.capacity_slots == 16
+    with Runner(cfg, registry=CollectorRegistry()) as runner:
+        runner.back_first_pool()
+        backed = runner._backed
+        small = runner.open_namespace(SPEC, BLOCK, pool_bytes=4 * BLOCK)
+        assert small.pool.region is not backed and small.pool.capacity_slots == 4
+        assert backed is not None and backed._map is None  # given back, not kept
+        rest = runner.open_namespace(NamespaceSpec(**{**SPEC.__dict__, "tenant": "c"}), BLOCK)
+        assert rest.pool.capacity_slots == 16  # the budget was not spent on the backed one

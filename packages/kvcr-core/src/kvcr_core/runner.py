@@ -194,6 +194,7 @@ class Runner:
             max_bytes=self.config.max_hint_bytes))
         self.hint_board = HintBoard()
         self._stores: dict[NamespaceDigest, NamespaceStore] = {}
+        self._backed: HostRegion | None = None  # pre-backed for the first namespace
         self.inventory = InventoryLog()
         self._lock = threading.Lock()
         self._closed = False
@@ -205,6 +206,21 @@ class Runner:
         hint; returns the block hashes remembered (0 if it was rejected)."""
         hint = self.hints.accept(raw)
         return 0 if hint is None else self.hint_board.post(hint)
+
+    def back_first_pool(self) -> int:
+        """Creates and backs (prefaults) the memory of the first namespace's pool now (a
+        daemon's start-up), so the first engine's attach and first requests do not share the
+        machine with backing it; that namespace takes it when it opens (if its pool is this
+        size: the per-namespace size within `pool_bytes`). Returns the bytes backed."""
+        cfg = self.config
+        with self._lock:
+            if self._closed or self._stores or self._backed is not None:
+                return 0
+            size = min(cfg.namespace_pool_bytes or cfg.pool_bytes, cfg.pool_bytes)
+            region = HostRegion.create(size, _REGION_KIND[cfg.memory_backing], "kvcr-pool")
+            region.prefault()
+            self._backed = region
+            return region.size_bytes
 
     def open_namespace(self, namespace: NamespaceSpec | NamespaceDigest, block_bytes: int, *,
                        pool_bytes: int | None = None, prefault: bool = False) -> NamespaceStore:
@@ -227,18 +243,26 @@ class Runner:
             cfg = self.config
             want = pool_bytes or cfg.namespace_pool_bytes or cfg.pool_bytes
             left = cfg.pool_bytes - sum(s.pool.region.size_bytes for s in self._stores.values())
-            slots = min(want, left) // SlotPool.region_bytes_for(1, block_bytes)
+            region, self._backed = self._backed, None
+            if region is not None and region.size_bytes > min(want, left):
+                region.close()  # backed for a namespace of another size: not this one's
+                region = None
+            room = region.size_bytes if region is not None else min(want, left)
+            slots = room // SlotPool.region_bytes_for(1, block_bytes)
             if slots < 1:
+                if region is not None:
+                    region.close()
                 self.metrics.refused(CapacityResource.SLOTS)
                 raise CapacityError(
                     f"no pool room for namespace {digest.hex()}: {left} of {cfg.pool_bytes} "
                     f"bytes left, a block needs {block_bytes}; raise pool_bytes, or set "
                     "namespace_pool_bytes so several namespaces fit")
-            region = HostRegion.create(SlotPool.region_bytes_for(slots, block_bytes),
-                                       _REGION_KIND[cfg.memory_backing],
-                                       f"kvcr-{digest.hex()[:12]}")
-            if prefault:
-                region.prefault()
+            if region is None:
+                region = HostRegion.create(SlotPool.region_bytes_for(slots, block_bytes),
+                                           _REGION_KIND[cfg.memory_backing],
+                                           f"kvcr-{digest.hex()[:12]}")
+                if prefault:
+                    region.prefault()
             index = BlockIndex(slots, make_policy(cfg.eviction_policy, slots),
                                max_reservations=cfg.max_reservations,
                                max_leases=cfg.max_leases)
@@ -280,6 +304,9 @@ class Runner:
         with self._lock:
             self._closed = True
             stores, self._stores = self._stores, {}
+            backed, self._backed = self._backed, None
+        if backed is not None:
+            backed.close()
         for store in stores.values():
             store.close()
 

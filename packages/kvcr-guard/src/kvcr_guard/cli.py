@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a namespace nobody used for this long gives its memory back "
                     f"(default {DEFAULT_NAMESPACE_IDLE_S:g}; 0 = never)")
     ap.add_argument("--prefault", action="store_true",
-                    help="back each namespace's pool pages when it opens, so they are charged "
-                    "to this daemon's memory cgroup, not to the engines that map them "
-                    "(Kubernetes: request the pool's memory on the daemon's container)")
+                    help="back the pool's pages in this daemon, so they are charged to its "
+                    "memory cgroup, not to the engines that map them (Kubernetes: request the "
+                    "pool's memory on the daemon's container): the first namespace's before "
+                    "the socket exists, at start-up; any other's when it opens")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")

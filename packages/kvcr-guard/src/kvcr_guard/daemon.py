@@ -33,6 +33,10 @@ class GuardDaemon:
         """Binds the socket, the peer port and the metrics port (raises on failure). SIGTERM
         and SIGINT are handled from here on: a client may connect, and a supervisor stop the
         daemon, as soon as the socket exists (a stop before `run` drains at once)."""
+        if self.config.server.prefault:  # before the socket exists: engines attach to a
+            # backed pool, and their first requests do not share the machine with backing it
+            backed = self.server.runner.back_first_pool()
+            log.info("kvcr-guard backed %d bytes for the first namespace's pool", backed)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.server.request_shutdown())
