@@ -81,8 +81,9 @@ class Process:
 class GuardProcess(Process):
     def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False,
                  whole_pool: bool = False) -> None:
-        """`prefault`: back each namespace's pool when it opens (`--prefault`, as the
-        Kubernetes manifests run it), so no copy pays first-touch page faults. `whole_pool`:
+        """`prefault`: back the pool (`--prefault`, as the Kubernetes manifests run it: the
+        first namespace's at start, before the socket exists), so no copy pays first-touch
+        page faults. `whole_pool`:
         one namespace may take the whole pool (`--namespace-pool-bytes` = the pool, as the
         manifests run a node of one model); else the daemon's default quarter share."""
         self.socket = str(workdir / "guard.sock")

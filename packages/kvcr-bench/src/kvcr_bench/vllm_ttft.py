@@ -9,10 +9,10 @@ offline engine: prefill plus the first token, loads included. Both engine modes:
 in-process engine core and the multiprocess one (`vllm serve`'s), each case with min, median,
 p90 and max over 10 prompts (2 with --quick; with fewer than 10 samples the nearest-rank
 p90 is the maximum); plus each fresh engine's first request (kvcr's
-against vanilla's, both new prompts) and how long each engine took to start (kvcr's engine
-attaches at start-up, when kvcr-guard, run with `--prefault` as deployed, backs the
-namespace's 4 GiB pool: that cost lands there, not on a request). Also reports the KV load
-throughput (bytes moved per second of load time).
+against vanilla's, both new prompts) and how long each engine took to start (kvcr-guard,
+run with `--prefault` as deployed, backs the namespace's pool, a quarter of 4 GiB, when it
+starts, before the engine attaches). Also reports the KV load throughput (bytes moved per
+second of load time).
 
 OpenMP threads: in-process, two (one per core here); multiprocess, one core fewer, as
 vLLM's CPU tuning advises (`VLLM_CPU_NUM_OF_RESERVED_CPU`): there the engine core's process

@@ -65,8 +65,9 @@ def check_vllm_version() -> None:
 
 def attach_at_start(clients: Iterable[AttachClient], socket: str) -> None:
     """Attaches at engine start, so the first request pays no attach: the namespace opens
-    (a `--prefault` kvcr-guard backs its whole pool then, seconds for large pools) and the
-    pool is mapped. A Runner not there yet is no error: the first use attaches."""
+    (a `--prefault` kvcr-guard backs its whole pool then, seconds for large pools, unless it
+    backed it at its own start) and the pool is mapped. A Runner not there yet is no error:
+    the first use attaches."""
     for client in clients:
         if not client.try_attach(STARTUP_ATTACH_TIMEOUT_S):
             log.info("kvcr: no Runner answering at %s yet; attaching on first use", socket)
