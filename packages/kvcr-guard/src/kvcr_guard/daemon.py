@@ -30,9 +30,10 @@ class GuardDaemon:
         self.metrics_port: int | None = None
 
     def listen(self) -> None:
-        """Binds the socket, the peer port and the metrics port (raises on failure). SIGTERM
-        and SIGINT are handled from here on: a client may connect, and a supervisor stop the
-        daemon, as soon as the socket exists (a stop before `run` drains at once)."""
+        """With --prefault, backs the first namespace's pool first; then binds the socket,
+        the peer port and the metrics port (raises on failure). SIGTERM and SIGINT are
+        handled from here on: a client may connect, and a supervisor stop the daemon, as soon
+        as the socket exists (a stop before `run` drains at once)."""
         if self.config.server.prefault:  # before the socket exists: engines attach to a
             # backed pool, and their first requests do not share the machine with backing it
             backed = self.server.runner.back_first_pool()
