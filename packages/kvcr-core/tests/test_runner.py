@@ -186,10 +186,11 @@ def _resident(region: HostRegion) -> bool:
 
 def test_the_first_pool_is_backed_before_any_namespace_opens(registry: CollectorRegistry
                                                               ) -> None:
-    """Risk (kvcr-guard --prefault): backing a pool while the first engine attaches and
-    starts serving slows its first requests; the pre-backed memory must be the one the first
-    namespace gets (not a second allocation), a namespace of another size must not keep it
-    (the pool budget would be spent twice), and later namespaces are made as before."""
+    """Risk (kvcr-guard --prefault): the first namespace's pool is backed while its engine
+    attaches (the engine's start waits, the daemon serves no one else); the pre-backed memory
+    must be the one the first namespace gets (not a second allocation), a namespace of
+    another size must not keep it (the pool budget would be spent twice), and later
+    namespaces are made as before."""
     cfg = KVCRConfig(pool_bytes=40 * BLOCK, namespace_pool_bytes=16 * BLOCK)
     with Runner(cfg, registry=registry) as runner:
         assert runner.back_first_pool() == 16 * BLOCK

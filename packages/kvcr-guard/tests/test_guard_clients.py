@@ -244,8 +244,8 @@ def test_prefault_backs_a_namespace_in_the_daemon_before_any_client_writes(
         short_tmp, harness, prefault: bool) -> None:
     """Risk: with --prefault the engines still fault in the pool pages (so a Kubernetes memory
     cgroup charges them, not the guard container that requests the pool's memory), or the
-    first namespace's pages are backed while its engine attaches and serves (which slows the
-    engine's first requests) instead of before the socket exists; without it the daemon
+    first namespace's pages are backed while its engine attaches (the engine's start waits,
+    the daemon serves no one else) instead of before the socket exists; without it the daemon
     would back pages nobody asked for."""
     guard = harness.Guard(short_tmp, *(["--prefault"] if prefault else [])).start()
     assert guard.proc is not None

@@ -209,9 +209,10 @@ class Runner:
 
     def back_first_pool(self) -> int:
         """Creates and backs (prefaults) the memory of the first namespace's pool now (a
-        daemon's start-up), so the first engine's attach and first requests do not share the
-        machine with backing it; that namespace takes it when it opens (if its pool is this
-        size: the per-namespace size within `pool_bytes`). Returns the bytes backed."""
+        daemon's start-up), so the first engine's attach does not wait for the backing and
+        the daemon's loop is not held by it; that namespace takes it when it opens (if its
+        pool is this size: the per-namespace size within `pool_bytes`). Returns the bytes
+        backed."""
         cfg = self.config
         with self._lock:
             if self._closed or self._stores or self._backed is not None:

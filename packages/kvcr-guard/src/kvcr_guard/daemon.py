@@ -34,8 +34,8 @@ class GuardDaemon:
         the peer port and the metrics port (raises on failure). SIGTERM and SIGINT are
         handled from here on: a client may connect, and a supervisor stop the daemon, as soon
         as the socket exists (a stop before `run` drains at once)."""
-        if self.config.server.prefault:  # before the socket exists: engines attach to a
-            # backed pool, and their first requests do not share the machine with backing it
+        if self.config.server.prefault:  # before the socket exists: the first engine
+            # attaches to a backed pool at once, and the loop is not held while it is backed
             backed = self.server.runner.back_first_pool()
             log.info("kvcr-guard backed %d bytes for the first namespace's pool", backed)
         if threading.current_thread() is threading.main_thread():
