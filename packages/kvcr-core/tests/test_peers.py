@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ from kvcr_core.testing import (
     LoopbackTransport,
     network_namespaces,
     pattern_block,
+    peer_node,
     random_keys,
 )
 from kvcr_core.types import NamespaceDigest
@@ -95,10 +97,7 @@ def transport(request: pytest.FixtureRequest) -> Wire:
     return Wire(Transport(request.param))
 
 
-def node(blocks: int = 64) -> tuple[Runner, NamespaceStore, PeerMetrics]:
-    registry = CollectorRegistry()
-    runner = Runner(KVCRConfig(pool_bytes=(blocks + 8) * BLOCK), registry=registry)
-    return runner, runner.open_namespace(NS, BLOCK), PeerMetrics(registry)
+node = partial(peer_node, NS, BLOCK)
 
 
 @pytest.fixture

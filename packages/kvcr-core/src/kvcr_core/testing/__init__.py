@@ -5,6 +5,9 @@ own tests and for anyone testing code built on it.
   can check that a slot holds exactly the bytes written for that key.
 - `random_keys(n, seed)`: distinct 16-byte keys without hashing token ids.
 - `RaisingPolicy`: an eviction policy whose every hook raises, to prove the index survives.
+- `peer_node(namespace, block_bytes, blocks)`: a runner with one namespace open and peer
+  metrics in its registry, the node of peer tests; `stocked_source(...)`: one holding pattern
+  blocks, served to peers.
 - `network_namespaces`: two throwaway network namespaces joined by a veth pair (root only),
   the "two hosts" of peer tests and benchmarks.
 - `LoopbackTransport`: a peer transport between pools of one process (memmove reads).
@@ -21,7 +24,8 @@ from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys
 from kvcr_core.testing.copies import ThreadedCopyEngine
 from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
 from kvcr_core.testing.netns import network_namespaces
+from kvcr_core.testing.nodes import peer_node, stocked_source
 
 __all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
            "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "network_namespaces",
-           "pattern_block", "random_keys"]
+           "pattern_block", "peer_node", "random_keys", "stocked_source"]
