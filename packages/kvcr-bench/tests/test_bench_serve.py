@@ -6,6 +6,7 @@ connector none), and the ratios, the targets and the chart must all be produced.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def test_bench_serve_is_a_kvcr_bench_entry_point() -> None:
 def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Path) -> None:
     """Three cases x two levels ran to completion through the proxy; kvcr loaded prompt
     tokens on the engine that did not compute them, without a fault; the c8 ratios and
-    target verdicts are in the JSON and the PNG chart is written."""
+    target verdicts are in the JSON and the PNG chart is written; each server ran with its
+    share of the cores' OpenMP threads (two engines on every core fight for them)."""
     out = subprocess.run([sys.executable, "-m", "kvcr_bench.serve_load", "--quick", "--json",
                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                          timeout=900, check=False)
@@ -47,7 +49,9 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
     assert summary["later_turns_p90_ttft_ratio_kvcr_vs_vanilla_c8"] > 0
     rows = {(r["case"], r["concurrency"]): r for r in result["rows"]}
     assert set(rows) == {(case, c) for case in ("vanilla", "kvcr", "example") for c in (1, 8)}
+    threads = max(1, (os.cpu_count() or 2) // 2)  # the two servers do not share threads
     for row in rows.values():
+        assert row["omp_threads_per_server"] == [threads, threads]
         assert row["ttft_p90_ms"] > 0 and row["output_throughput_tok_s"] > 0
         # first (cold) and later turns are told apart: the p90's make-up is visible
         assert 0 < row["first_turns_share"] < 1

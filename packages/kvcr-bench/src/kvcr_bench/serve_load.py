@@ -9,14 +9,10 @@ steady state (conversations start out of phase, after an unmeasured warm-up roun
 SplitProxy in front of the two servers sends a user's consecutive turns to alternate
 engines, so each later turn lands where its conversation's last turn was not computed.
 Each concurrency level runs new conversations (the system prompt stays the same); the
-client runs closed loop at that concurrency.
-
-Per case and level: the client's own TTFT p50/p90/p99 and output token throughput (from its
-`--save-result --save-detailed` JSON), and the prompt tokens each cache served, read from
-the servers' /metrics before and after (`vllm:prefix_cache_hits` for the engine's own cache,
-`vllm:external_prefix_cache_hits` for the connector: kvcr or ExampleConnector). Ratios are
-against the baselines of the same run; a PNG charts p90 TTFT against concurrency.
-`--quick` runs concurrency 1 and 8 with shorter conversations (CI-sized).
+client runs closed loop at that concurrency. The two servers share the host's cores: each
+engine runs `cores // 2` OpenMP threads (one here), as several vLLM CPU servers on one host
+are run; with a thread per core each, both engines' threads fought for every core under load
+(concurrency 8, output tokens/s: vanilla 40 against 55-56, kvcr 53-54 against 87-89).
 """
 
 from __future__ import annotations
@@ -191,11 +187,14 @@ def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
              if case == "kvcr" else None)
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
-                                _connector(case, workdir, guard), max_num_seqs=16)
+                                _connector(case, workdir, guard), max_num_seqs=16,
+                                omp_threads=max(1, (os.cpu_count() or 2) // 2))
         try:
             for n, server in enumerate(servers):  # a fresh engine's first request is slow
                 server.ttft([10 + n] * 64, max_tokens=2)
-            return _run_clients(case, setup, model, plans, servers, workdir)
+            threads = [int(s.environ("OMP_NUM_THREADS") or 0) for s in servers]
+            return [{**row, "omp_threads_per_server": threads}
+                    for row in _run_clients(case, setup, model, plans, servers, workdir)]
         finally:
             for server in servers:
                 server.stop()
@@ -289,7 +288,9 @@ def _print_tables(result: dict[str, Any]) -> None:
           f"prompts {shape['system_chunks'] * k} tokens shared + "
           f"{shape['document_chunks'] * k} per user + "
           f"{(shape['question_chunks'] + shape['answer_chunks']) * k} per turn, "
-          f"{shape['output_tokens']} output tokens; model preset '{result['model_preset']}'")
+          f"{shape['output_tokens']} output tokens; model preset '{result['model_preset']}'; "
+          f"OpenMP threads per server {result['rows'][0]['omp_threads_per_server'][0]} on "
+          f"{os.cpu_count()} cores")
     print(f"{'case':8} {'conc':>4} {'reqs':>4} | {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
           f"{'new':>6} {'p90':>6} {'later':>6} {'p90':>6} ms | {'out tok/s':>9} | "
           f"{'prompt':>7} {'local':>7} {'conn.':>7} {'computed':>8} | {'p90 vs':>7}")

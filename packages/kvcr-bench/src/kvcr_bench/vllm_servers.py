@@ -64,6 +64,14 @@ class Process:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def environ(self, name: str) -> str | None:
+        """The running process's own value of environment variable `name` (Linux /proc)."""
+        for entry in Path(f"/proc/{self.proc.pid}/environ").read_bytes().split(b"\0"):
+            key, _, value = entry.partition(b"=")
+            if key.decode(errors="replace") == name:
+                return value.decode(errors="replace")
+        return None
+
     def tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
 
@@ -108,7 +116,8 @@ class VllmServer(Process):
 
     def __init__(self, model: str, workdir: Path, name: str,
                  kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192,
-                 max_num_seqs: int = 4) -> None:
+                 max_num_seqs: int = 4, omp_threads: int | None = None) -> None:
+        """`omp_threads`: the engine's OpenMP threads (CPU_ENV's two if None)."""
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
@@ -119,7 +128,8 @@ class VllmServer(Process):
                 "--served-model-name", "model"]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        super().__init__(args, workdir / f"{name}.log", CPU_ENV)
+        threads = {} if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}
+        super().__init__(args, workdir / f"{name}.log", {**CPU_ENV, **threads})
 
     def wait_ready(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
@@ -157,12 +167,12 @@ class VllmServer(Process):
 
 def start_servers(model: str, workdir: Path, names: list[str],
                   kv_transfer_config: dict[str, Any] | None,
-                  max_num_seqs: int = 4) -> list[VllmServer]:
+                  max_num_seqs: int = 4, omp_threads: int | None = None) -> list[VllmServer]:
     """One server per name, all starting at once, with the model's full context; all ready,
     or all stopped and the error raised."""
     max_len = int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
-    servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len, max_num_seqs)
-               for name in names]
+    servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len, max_num_seqs,
+                          omp_threads) for name in names]
     try:
         for server in servers:
             server.wait_ready()
