@@ -201,12 +201,12 @@ def _print_tables(result: dict[str, Any], quick: bool) -> None:
                   f"{row['p90']:>8.1f} {row['max']:>8.1f}")
     for name, (op, bound) in TARGETS.items():
         verdict = "meets" if meets(TARGETS, name, summary[name]) else "MISSES"
-        print(f"{name:44} {summary[name]:>7.3f}   target {op} {bound:g}  {verdict}")
+        print(f"{name:52} {summary[name]:>7.3f}   target {op} {bound:g}  {verdict}")
     for name in ("ttft_kvcr_p90_over_median", "first_request_ratio_kvcr_vs_vanilla",
                  "first_request_ratio_kvcr_vs_vanilla_beside_guard",
                  "mp_ttft_kvcr_p90_over_median", "mp_first_request_ratio_kvcr_vs_vanilla",
                  "mp_first_request_ratio_kvcr_vs_vanilla_beside_guard",
                  "mp_engine_start_s_vanilla", "mp_engine_start_s_kvcr"):
-        print(f"{name:44} {summary[name]:>7.3f}")
+        print(f"{name:52} {summary[name]:>7.3f}")
     if summary["kv_load_gbps"]:
-        print(f"{'kv_load_gbps':44} {summary['kv_load_gbps']:>7.2f}")
+        print(f"{'kv_load_gbps':52} {summary['kv_load_gbps']:>7.2f}")
