@@ -13,6 +13,13 @@ client runs closed loop at that concurrency. The two servers share the host's co
 engine runs `cores // 2` OpenMP threads (one here), as several vLLM CPU servers on one host
 are run; with a thread per core each, both engines' threads fought for every core under load
 (concurrency 8, output tokens/s: vanilla 40 against 55-56, kvcr 53-54 against 87-89).
+
+Per case and level: the client's own TTFT p50/p90/p99 and output token throughput (from its
+`--save-result --save-detailed` JSON), and the prompt tokens each cache served, read from
+the servers' /metrics before and after (`vllm:prefix_cache_hits` for the engine's own cache,
+`vllm:external_prefix_cache_hits` for the connector: kvcr or ExampleConnector). Ratios are
+against the baselines of the same run; a PNG charts p90 TTFT against concurrency.
+`--quick` runs concurrency 1 and 8 with shorter conversations (CI-sized).
 """
 
 from __future__ import annotations
