@@ -10,7 +10,7 @@ import pytest
 
 from kvcr_core.errors import ClosedError
 from kvcr_core.memory import PAGE_BYTES, SLOT_ALIGN_BYTES, HostRegion, RegionKind, SlotPool
-from kvcr_core.testing import pattern_block
+from kvcr_core.testing import mapped_kib, pattern_block
 from kvcr_core.types import SlotId
 
 
@@ -91,3 +91,54 @@ def test_closed_region_refuses_use_and_anonymous_has_no_fd() -> None:
     region.close()
     with pytest.raises(ClosedError):
         _ = region.view
+
+
+@pytest.mark.parametrize("populate_advice", ["kernel", "unsupported"])
+def test_a_second_mapping_of_a_backed_region_maps_every_page_ahead_of_use(
+        populate_advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: an engine's first copy into or out of each pool page pays a fault on the
+    request's path though the pool's owner backed it; on a kernel without
+    MADV_POPULATE_READ (before 5.14) the mapper must still map the pages (touching them)."""
+    if populate_advice == "unsupported":
+        monkeypatch.setattr("kvcr_core.memory._MADV_POPULATE_READ", 9999)  # EINVAL
+    with HostRegion.create(48 << 20) as owner:
+        owner.prefault()
+        assert owner.backed
+        engine = HostRegion.map_fd(os.dup(owner.fd), owner.size_bytes)
+        assert not engine.backed and mapped_kib(engine.address) < 1024
+        mapper = engine.map_pages_in_background()
+        assert engine.map_pages_in_background() is mapper  # one mapper per region
+        mapper.join(timeout=30)
+        assert mapped_kib(engine.address) == engine.size_bytes // 1024
+        engine.close()
+
+
+def test_closing_a_region_stops_its_page_mapper_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Risk: the background mapper outlives the mapping, so a call in flight during `close`
+    touches addresses that are unmapped or someone else's by then; or `close` hangs on it."""
+    import time
+
+    engine: HostRegion | None = None
+    unmapped_under_a_call: list[bool] = []
+
+    class SlowKernel:
+        def madvise(self, *args: object) -> int:
+            time.sleep(0.002)  # the GIL is free meanwhile, as in the real call
+            assert engine is not None
+            unmapped_under_a_call.append(engine._map is None)
+            return 0
+
+    monkeypatch.setattr("kvcr_core.memory._libc", SlowKernel)
+    monkeypatch.setattr("kvcr_core.memory._MAP_CHUNK_BYTES", 64 << 10)  # many steps to stop at
+    with HostRegion.create(16 << 20) as owner:
+        owner.prefault()
+        for _ in range(4):
+            engine = HostRegion.map_fd(os.dup(owner.fd), owner.size_bytes)
+            mapper = engine.map_pages_in_background()
+            time.sleep(0.01)
+            engine.close()
+            assert not mapper.is_alive()
+            with pytest.raises(ClosedError):
+                _ = engine.view
+    assert unmapped_under_a_call and not any(unmapped_under_a_call)
+    assert len(unmapped_under_a_call) < 4 * 256  # stopped early: 256 chunks a region

@@ -11,8 +11,14 @@ before anyone else can see it: a process holding the fd cannot `ftruncate` it, s
 of a mapping can ever be hit by SIGBUS because another one cut the file short. `map_fd`
 refuses an fd that is not sealed so, or whose size is not the one announced.
 
-Threading: mapping and closing are not thread-safe; slot views may be used from any thread
-as long as the index (which owns slot states) grants them.
+Page tables: an engine that maps a pool another process backed still pays a page fault the
+first time it touches each page (measured here: a 64 MiB copy out of a freshly mapped pool
+7.5 ms against 4 ms, into it 25 ms against 4 ms). `map_pages_in_background` maps them all
+ahead of use; it never backs a page itself unless the region's holder left it unbacked.
+
+Threading: mapping and closing are not thread-safe (except against the background page
+mapper, which `close` stops first); slot views may be used from any thread as long as the
+index (which owns slot states) grants them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import enum
 import fcntl
 import mmap
 import os
+import threading
 from typing import Final
 
 from kvcr_core.errors import ClosedError
@@ -29,7 +36,9 @@ from kvcr_core.types import SlotId
 
 PAGE_BYTES: Final = mmap.PAGESIZE
 SLOT_ALIGN_BYTES: Final = 4096
-_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14+; not exported by the mmap module
+_MADV_POPULATE_READ: Final = 22  # Linux 5.14+; not exported by the mmap module
+_MADV_POPULATE_WRITE: Final = 23
+_MAP_CHUNK_BYTES: Final = 32 << 20
 _PREFAULT_CHUNK_BYTES: Final = 8 << 20
 SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """What every shared pool memfd carries: its size is fixed, and so are its seals."""
@@ -54,6 +63,10 @@ class HostRegion:
         self._fd = fd
         self._view: memoryview | None = memoryview(mapping)
         self._address: int | None = None
+        self.backed = False
+        """Every page backed by this process's `prefault` (the memory exists, charged here)."""
+        self._mapper: threading.Thread | None = None
+        self._stop_mapping = threading.Event()
 
     @classmethod
     def create(cls, size_bytes: int, kind: RegionKind = RegionKind.MEMFD,
@@ -127,17 +140,42 @@ class HostRegion:
             raise ClosedError("host region is closed")
         try:
             mapping.madvise(_MADV_POPULATE_WRITE)
-            return
         except OSError:
-            pass
-        zeros = bytes(_PREFAULT_CHUNK_BYTES)
-        view = self.view
-        for start in range(0, self.size_bytes, _PREFAULT_CHUNK_BYTES):
-            end = min(start + _PREFAULT_CHUNK_BYTES, self.size_bytes)
-            view[start:end] = zeros[: end - start]
+            zeros = bytes(_PREFAULT_CHUNK_BYTES)
+            view = self.view
+            for start in range(0, self.size_bytes, _PREFAULT_CHUNK_BYTES):
+                end = min(start + _PREFAULT_CHUNK_BYTES, self.size_bytes)
+                view[start:end] = zeros[: end - start]
+        self.backed = True
+
+    def map_pages_in_background(self) -> threading.Thread:
+        """Maps every page of a region another process backed into this process's page
+        tables, on a daemon thread (the GIL is released in the kernel call), so this process's
+        first copies into and out of each slot pay no faults. Stops at `close`."""
+        if self._mapper is None:
+            self._mapper = threading.Thread(target=self._map_pages, name="kvcr-map-pages",
+                                            daemon=True)
+            self._mapper.start()
+        return self._mapper
+
+    def _map_pages(self) -> None:
+        address, libc = self.address, _libc()
+        for start in range(0, self.size_bytes, _MAP_CHUNK_BYTES):
+            if self._stop_mapping.is_set():
+                return
+            length = min(_MAP_CHUNK_BYTES, self.size_bytes - start)
+            if libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length),
+                            _MADV_POPULATE_READ) != 0:  # kernel before 5.14: touch them
+                view = self._view
+                if view is None:
+                    return
+                bytes(view[start:start + length:PAGE_BYTES])
 
     def close(self) -> None:
         """Unmaps and closes the fd. Callers must have dropped every slot view first."""
+        self._stop_mapping.set()
+        if self._mapper is not None:
+            self._mapper.join()
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -153,6 +191,13 @@ class HostRegion:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 class SlotPool:

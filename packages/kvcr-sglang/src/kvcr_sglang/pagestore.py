@@ -133,7 +133,7 @@ class PageStore:
         self.block_bytes = block_bytes
         self.verify_loads = settings.runner.verify_loads
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
-                                   timeout_s=settings.timeout_s)
+                                   timeout_s=settings.timeout_s, map_pages=True)
         self.fetcher = HintedFetcher([self.client],
                                      settings.peer.peers if hinted else frozenset(),
                                      settings.peer.fetch_deadline_s)

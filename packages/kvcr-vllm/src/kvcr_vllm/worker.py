@@ -68,7 +68,7 @@ class KVCRConnectorWorker:
         self.stats = stats
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
-                                  timeout_s=settings.timeout_s)
+                                  timeout_s=settings.timeout_s, map_pages=True)
         self.copy_engine = copy_engine
         self._planes: list[Plane] = []  # (bytes [blocks, page], offset in the slot, page)
         self._layers: dict[str, list[Plane]] = {}

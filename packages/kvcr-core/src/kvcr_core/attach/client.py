@@ -56,12 +56,17 @@ class AttachClient:
     """One namespace's view of a Runner's pool, through one Unix socket connection."""
 
     def __init__(self, socket_path: str, namespace: NamespaceSpec, block_bytes: int, *,
-                 identity: str = "", timeout_s: float = 2.0) -> None:
+                 identity: str = "", timeout_s: float = 2.0, map_pages: bool = False) -> None:
+        """`map_pages`: this process copies KV into and out of the pool; once attached to a
+        pool its Runner backed, map all its pages here in the background (no first-touch
+        faults in the copies; a pool not backed is left so: its pages would be charged to
+        this process)."""
         self.socket_path = socket_path
         self.namespace = namespace
         self.block_bytes = block_bytes
         self.identity = identity or f"pid-{os.getpid()}"
         self.timeout_s = timeout_s
+        self.map_pages = map_pages
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._attachment: Attachment | None = None
@@ -172,6 +177,8 @@ class AttachClient:
                 os.close(fd)
             sock.close()
             raise
+        if self.map_pages and message.backed:
+            region.map_pages_in_background()
         self._sock = sock
         self._attachment = Attachment(OwnerId(message.owner),
                                       NamespaceDigest(message.namespace_digest), pool)

@@ -223,6 +223,9 @@ class Welcome(Message, tag="welcome"):
     stride_bytes: int
     capacity_slots: int
     region_bytes: int
+    backed: bool = False
+    """The Runner backed every page of the pool (kvcr-guard --prefault): the engine may map
+    them all ahead of use. Absent from an older Runner's Welcome (read as false)."""
 
 
 class Goodbye(Message, tag="goodbye"):

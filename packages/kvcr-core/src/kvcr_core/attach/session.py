@@ -186,7 +186,8 @@ class ClientSession:
         self._host.metrics.on_attach()
         pool = store.pool
         welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, store.digest, pool.slot_bytes,
-                            pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes)
+                            pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes,
+                            pool.region.backed)
         return p.encode_frame(welcome), [pool.region.fd], False
 
     def _request(self, request: p.Request) -> p.Reply:
