@@ -216,6 +216,30 @@ def test_clear_drops_this_namespace(harness, short_tmp: str) -> None:  # type: i
         stop(ctrl)
 
 
+def test_a_prefaulted_guards_pool_is_mapped_ahead_of_the_copies(harness, short_tmp: str
+                                                                  ) -> None:  # type: ignore[no-untyped-def]
+    """Risk: SGLang's first copies into and out of each page of a --prefault guard's pool
+    pay a page fault each (a 64 MiB save 25 ms against 4 ms, measured), on its I/O path."""
+    import time
+
+    from kvcr_core.testing import mapped_kib
+
+    guard = harness.Guard(short_tmp, "--prefault").start()
+    ctrl, host = rig("page_first", {"interface_v1": 1, "mode": "guarded",
+                                    "socket": guard.socket})
+    try:
+        keys = cpu_rig.page_keys(tokens(1, 5), SHAPE.page_tokens)
+        cpu_rig.fill_pages(host, 1, 1, seed=5)
+        assert ctrl.page_set_func(keys, indices(1, 1))
+        region = ctrl.storage_backend.store.client.pool.region
+        deadline = time.monotonic() + 30
+        while mapped_kib(region.address) < region.size_bytes // 1024:
+            assert time.monotonic() < deadline, mapped_kib(region.address)
+            time.sleep(0.02)
+    finally:
+        stop(ctrl)
+
+
 def test_two_sglang_processes_share_pages_through_one_guard(harness, short_tmp: str
                                                             ) -> None:  # type: ignore[no-untyped-def]
     """Risk: pages stored by one SGLang process are not found, or not byte-exact, in another."""
