@@ -57,7 +57,11 @@ def _probe(job: dict[str, Any]) -> list[dict[str, Any]]:
                          check=False)
     if out.returncode != 0:
         raise RuntimeError(f"engine failed: {out.stderr[-3000:]}")
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    # raw_decode: the multiprocess engine core's own output can land right after a row, on
+    # its line (seen once in a full run)
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(line)[0] for line in out.stdout.splitlines()
+            if line.startswith("{")]
 
 
 def _median_seconds(rows: list[dict[str, Any]]) -> float:
