@@ -181,6 +181,45 @@ def test_a_stop_as_soon_as_the_socket_exists_still_drains(short_tmp, harness) ->
         guard.log.close()
 
 
+def test_metrics_answer_as_soon_as_the_socket_exists(short_tmp, harness) -> None:
+    """Risk: the metrics port was bound after the socket, so whoever waited for the socket
+    (a supervisor, a readiness probe, a test) and scraped at once was refused (a CI failure:
+    ECONNREFUSED on a fresh daemon's /metrics). Deterministic: at the moment the socket is
+    bound, /metrics answers. And a metrics port someone else holds fails the start with an
+    error that names the port and the fix, before any socket exists."""
+    import urllib.request
+
+    from kvcr_core.attach import ServerConfig
+    from kvcr_guard.config import GuardConfig
+    from kvcr_guard.daemon import GuardDaemon
+
+    daemon = GuardDaemon(GuardConfig(server=ServerConfig(
+        socket_path=os.path.join(short_tmp, "m.sock")), metrics_port=0))
+    bind_socket, answers = daemon.server.listen, []
+
+    def listen_after_a_scrape() -> None:
+        port = daemon.metrics_port
+        answers.append(port is not None and b"kvcr_build_info" in urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read())
+        bind_socket()
+
+    daemon.server.listen = listen_after_a_scrape  # type: ignore[method-assign]
+    daemon.listen()
+    daemon.stop()
+    assert daemon.run() == 0
+    assert answers == [True]
+
+    first = harness.Guard(short_tmp).start()
+    os.mkdir(second := os.path.join(short_tmp, "b"))
+    taken = harness.Guard(second)
+    taken.args[taken.args.index("--metrics-port") + 1] = str(first.metrics_port)
+    taken.proc = subprocess.Popen(taken.args, stdout=taken.log, stderr=taken.log)
+    assert taken.proc.wait(timeout=30) == 1
+    assert f"cannot serve metrics on 127.0.0.1:{first.metrics_port}" in taken.logs()
+    assert "--metrics-port" in taken.logs() and not os.path.exists(taken.socket)
+    taken.log.close()
+
+
 def test_refuses_a_second_daemon_on_a_live_socket(guard) -> None:
     """Starting a second daemon on a served socket fails clearly instead of stealing it."""
     out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", guard.socket],

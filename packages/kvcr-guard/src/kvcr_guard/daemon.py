@@ -30,10 +30,12 @@ class GuardDaemon:
         self.metrics_port: int | None = None
 
     def listen(self) -> None:
-        """With --prefault, backs the first namespace's pool first; then binds the socket,
-        the peer port and the metrics port (raises on failure). SIGTERM and SIGINT are
-        handled from here on: a client may connect, and a supervisor stop the daemon, as soon
-        as the socket exists (a stop before `run` drains at once)."""
+        """With --prefault, backs the first namespace's pool first; then binds the metrics
+        port, the socket and the peer port (raises on failure). The socket comes after the
+        metrics port: whoever waits for the socket (a supervisor, a readiness probe) may
+        scrape at once. SIGTERM and SIGINT are handled from here on: a client may connect,
+        and a supervisor stop the daemon, as soon as the socket exists (a stop before `run`
+        drains at once)."""
         if self.config.server.prefault:  # before the socket exists: the first engine
             # attaches to a backed pool at once, and the loop is not held while it is backed
             backed = self.server.runner.back_first_pool()
@@ -41,13 +43,22 @@ class GuardDaemon:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.server.request_shutdown())
-        self.server.listen()
         if self.config.metrics_port is not None:
-            self.metrics_port = serve_metrics(self.registry, self.config.metrics_host,
-                                              self.config.metrics_port)
+            self.metrics_port = self._serve_metrics()
+        self.server.listen()
         log.info("kvcr-guard %s ready (metrics %s)", __version__,
                  f"{self.config.metrics_host}:{self.metrics_port}" if self.metrics_port
                  else "off")
+
+    def _serve_metrics(self) -> int:
+        host, port = self.config.metrics_host, self.config.metrics_port
+        assert port is not None
+        try:
+            return serve_metrics(self.registry, host, port)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve metrics on {host}:{port} ({exc.strerror}); "
+                               "choose another --metrics-port (0: any free port) or stop "
+                               "whatever holds it") from None
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT (or `stop`); returns the exit code."""
