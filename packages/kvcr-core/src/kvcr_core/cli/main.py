@@ -35,6 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
             extra.add_argument("--under-attack", action="store_true",
                                help="a legitimate engine's round trip while another client "
                                "misbehaves, one way at a time")
+        if name == "serve":
+            extra.add_argument("--prefill-cap", type=int, metavar="TOKENS",
+                               help="vLLM's --long-prefill-token-threshold for kvcr's engines "
+                               "and a second vanilla case (0: none; default 256)")
         if name == "copy":
             extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                                help="where the KV tensors live (auto: cuda when available)")
@@ -100,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         options: dict[str, object] = (
             {"under_attack": True} if getattr(args, "under_attack", False) else {})
-        if getattr(args, "device", None) is not None:
-            options["device"] = args.device
+        for option in ("device", "prefill_cap"):
+            if getattr(args, option, None) is not None:
+                options[option] = getattr(args, option)
         result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)
         return result
     if args.command == "config":
