@@ -173,7 +173,7 @@ def check_guard(manifests, workload: dict[str, Any], files: PodFiles) -> Any:
     server = config.server
     pod = manifests.pod(workload)
     assert server.allowed_uids == frozenset({pod["securityContext"]["runAsUser"]})
-    assert server.prefault and server.namespace_idle_s is None
+    assert server.back_ahead_bytes and server.namespace_idle_s is None  # backed in the guard
     assert (config.metrics_host, config.metrics_port) == ("0.0.0.0",
                                                           _port(guard_c, "guard-metrics"))
     pool_gib = server.runner.pool_bytes / GIB
@@ -227,7 +227,7 @@ def test_vllm_embedded_peers_and_router_command_lines_parse(manifests, pod_files
 
 def test_vllm_guard_command_lines_parse_and_meet_on_one_socket(manifests, pod_files) -> None:
     """Risk: the engine and its kvcr-guard sidecar disagree on the socket or the uid, a guard
-    flag does not exist, or the guard's memory does not cover the pool it prefaults."""
+    flag does not exist, or the guard's memory does not cover the pool it backs."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     name = "vllm-guard"
     (workload,) = manifests.workloads(name)

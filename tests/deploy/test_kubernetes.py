@@ -85,7 +85,8 @@ def test_guard_is_a_native_sidecar_that_pays_for_the_pool(manifests, name) -> No
     assert guard["name"] == "kvcr-guard" and guard["restartPolicy"] == "Always"
     assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(guard)
     assert pod["shareProcessNamespace"] is False
-    assert "--prefault" in guard["args"]
+    assert "--prefault" in guard["args"] or any(a.startswith("--back-ahead=")
+                                                for a in guard["args"])
     requests, limits = guard["resources"]["requests"], guard["resources"]["limits"]
     assert requests["memory"] == limits["memory"]  # shmem pages cannot be reclaimed
     engine = manifests.container(workload, "engine")

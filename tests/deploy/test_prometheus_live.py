@@ -105,7 +105,7 @@ def stack(tiny_model: str, tools: Any, tmp_path_factory: pytest.TempPathFactory,
         socket_path = f"{sock_dir}/g.sock"
         guard = Process([sys.executable, "-m", "kvcr_guard", "--socket", socket_path,
                          "--pool-bytes", "256MiB", "--namespace-pool-bytes", "128MiB",
-                         "--prefault", "--metrics-port", str(ports["guard"]),
+                         "--back-ahead", "32MiB", "--metrics-port", str(ports["guard"]),
                          "--peer-listen", f"127.0.0.1:{ports['peer']}", "--peer", dead_peer],
                         work / "guard.log")
         procs.append(guard)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from kvcr_core.errors import ClosedError
 from kvcr_core.memory import PAGE_BYTES, SLOT_ALIGN_BYTES, HostRegion, RegionKind, SlotPool
-from kvcr_core.testing import mapped_kib, pattern_block
+from kvcr_core.testing import mapped_kib, pattern_block, resident_kib
 from kvcr_core.types import SlotId
 
 
@@ -122,6 +124,10 @@ def test_closing_a_region_stops_its_page_mapper_first(monkeypatch: pytest.Monkey
     unmapped_under_a_call: list[bool] = []
 
     class SlowKernel:
+        def mincore(self, address: object, length: object, vector: ctypes.Array) -> int:
+            ctypes.memset(vector, 1, ctypes.sizeof(vector))  # every page backed
+            return 0
+
         def madvise(self, *args: object) -> int:
             time.sleep(0.002)  # the GIL is free meanwhile, as in the real call
             assert engine is not None
@@ -142,3 +148,58 @@ def test_closing_a_region_stops_its_page_mapper_first(monkeypatch: pytest.Monkey
                 _ = engine.view
     assert unmapped_under_a_call and not any(unmapped_under_a_call)
     assert len(unmapped_under_a_call) < 4 * 256  # stopped early: 256 chunks a region
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+def test_back_ahead_holds_what_is_used_plus_its_margin_and_keeps_what_writers_wrote() -> None:
+    """Risk: a back-ahead pool is backed whole up front (on a VM that hands free memory back
+    to its host, every other process's first touches slow down while it is held), or a
+    reservation hands out pages not backed yet (the engine that writes them is charged for
+    them), or backing a page wipes what a writer already put there."""
+    mib = 1 << 20
+    with HostRegion.create(128 * mib) as owner:
+        size = owner.size_bytes
+        with pytest.raises(ValueError, match="positive"):
+            owner.back_ahead(0)
+        writer = HostRegion.map_fd(os.dup(owner.fd), size)
+        block = pattern_block(b"outran", 4096)
+        writer.view[100 * mib:100 * mib + 4096] = block  # a writer that outran the backer
+        owner.back_ahead(8 * mib, wait=True)
+        assert owner.backs_pages and not owner.backed
+        assert resident_kib(owner.address, 100 * mib) == 8 * 1024  # the margin, no more
+        owner.note_used(20 * mib)
+        assert resident_kib(owner.address, 20 * mib) == 20 * 1024  # before note_used returned
+        assert _wait_for(lambda: resident_kib(owner.address, 100 * mib) >= 28 * 1024)
+        time.sleep(0.2)
+        assert resident_kib(owner.address, 100 * mib) == 28 * 1024  # used + margin, no more
+        owner.note_used(100 * mib + 4096)
+        assert _wait_for(lambda: owner.backed_bytes >= 108 * mib)
+        assert bytes(owner.view[100 * mib:100 * mib + 4096]) == block
+        owner.note_used(size)
+        assert owner.backed_bytes == size and resident_kib(owner.address, size) == size // 1024
+        writer.close()
+
+
+def test_an_engine_maps_pages_only_as_their_holder_backs_them() -> None:
+    """Risk: an engine's page mapper backs the pool's pages itself when its holder backs them
+    as the pool fills (the engine's memory cgroup pays for them), or never maps the pages
+    backed after it attached (their first copies pay faults on the request's path)."""
+    mib = 1 << 20
+    with HostRegion.create(128 * mib) as owner:
+        owner.back_ahead(16 * mib, wait=True)
+        engine = HostRegion.map_fd(os.dup(owner.fd), owner.size_bytes)
+        engine.map_pages_in_background()
+        assert _wait_for(lambda: mapped_kib(engine.address) >= 16 * 1024)
+        time.sleep(0.3)
+        assert mapped_kib(engine.address) == 16 * 1024
+        assert resident_kib(engine.address, engine.size_bytes) == 16 * 1024
+        owner.note_used(40 * mib)
+        assert _wait_for(lambda: mapped_kib(engine.address) >= 56 * 1024)
+        assert resident_kib(engine.address, engine.size_bytes) == 56 * 1024
+        engine.close()

@@ -12,7 +12,7 @@ from kvcr_core.errors import CapacityError, ClosedError, ConfigError, UnknownNam
 from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.memory import HostRegion
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, resident_kib
 from kvcr_core.types import NamespaceDigest
 
 BLOCK = 8192
@@ -209,3 +209,29 @@ def test_the_first_pool_is_backed_before_any_namespace_opens(registry: Collector
         assert backed is not None and backed._map is None  # given back, not kept
         rest = runner.open_namespace(NamespaceSpec(**{**SPEC.__dict__, "tenant": "c"}), BLOCK)
         assert rest.pool.capacity_slots == 16  # the budget was not spent on the backed one
+
+
+def test_a_back_ahead_pool_backs_each_reservation_before_handing_it_out(
+        registry: CollectorRegistry) -> None:
+    """Risk (kvcr-guard --back-ahead): the Runner hands out slots whose pages it has not
+    backed (the engine that writes them backs them, and its memory cgroup pays), or backs
+    the whole pool at once (what back-ahead exists to avoid); the first pool backs only its
+    margin before any namespace opens."""
+    block, kib = 64 << 10, 1024
+    cfg = KVCRConfig(pool_bytes=512 * block, namespace_pool_bytes=256 * block)
+    with Runner(cfg, registry=registry) as runner:
+        assert runner.back_first_pool(ahead_bytes=8 * block) == 8 * block
+        store = runner.open_namespace(SPEC, block)
+        region = store.pool.region
+        assert resident_kib(region.address, region.size_bytes) == 8 * block // kib
+        reservation = store.reserve(random_keys(100, seed=3))
+        top = max(s for s in reservation.slots if s is not None) + 1
+        assert resident_kib(region.address, top * block) == top * block // kib
+        assert resident_kib(region.address, region.size_bytes) < 128 * block // kib
+        other = runner.open_namespace(NamespaceSpec(**{**SPEC.__dict__, "tenant": "b"}), block,
+                                      back_ahead=4 * block)
+        reservation = other.reserve(random_keys(50, seed=4))
+        top = max(s for s in reservation.slots if s is not None) + 1
+        region = other.pool.region
+        assert resident_kib(region.address, top * block) == top * block // kib
+        assert resident_kib(region.address, region.size_bytes) < 128 * block // kib

@@ -13,7 +13,7 @@ import pytest
 
 from kvcr_core.attach import AttachClient, RunnerUnavailable
 from kvcr_core.keys import NamespaceSpec, sequence_keys
-from kvcr_core.testing import mapped_kib, pattern_block
+from kvcr_core.testing import mapped_kib, pattern_block, resident_kib
 
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
@@ -330,6 +330,50 @@ def test_an_engine_maps_a_backed_pool_ahead_of_its_first_copies(
     finally:
         engine.close()
         control.close()
+
+
+def test_back_ahead_backs_the_pool_in_the_daemon_as_it_fills(short_tmp, harness) -> None:
+    """Risk (--back-ahead): the daemon backs the whole pool anyway (a VM's other processes'
+    first touches slow while it holds it), or hands an engine slots whose pages it has not
+    backed (the engine's memory cgroup pays for them, not the guard container that requests
+    the pool's memory), or the engine's page mapper backs pages itself or never maps those
+    backed after it attached."""
+    guard = harness.Guard(short_tmp, "--back-ahead", "1MiB").start()
+    assert guard.proc is not None
+    at_start = _rss_shmem_kib(guard.proc.pid)
+    engine = AttachClient(guard.socket, SPEC, BLOCK, identity="engine", map_pages=True)
+    try:
+        engine.attach()
+        region = engine.pool.region
+        assert 1024 <= at_start < region.size_bytes // 1024 // 4  # the margin, backed first
+        reservation = engine.reserve(keys_for(9, 160))  # 2.5 MiB of 16 KiB blocks
+        top = max(s for s in reservation.slots if s is not None) + 1
+        assert _rss_shmem_kib(guard.proc.pid) >= top * BLOCK // 1024  # before the reply
+        for slot in reservation.slots:
+            assert slot is not None
+            engine.pool.write(slot, pattern_block(bytes([slot % 256]) * 4, BLOCK))
+        deadline = time.monotonic() + 30
+        while (mapped_kib(region.address) < top * BLOCK // 1024 + 1024
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        assert mapped_kib(region.address) >= top * BLOCK // 1024 + 1024  # used + margin
+        held = _rss_shmem_kib(guard.proc.pid)
+        assert held < region.size_bytes // 1024 // 2  # not the whole pool
+        assert resident_kib(region.address, region.size_bytes) == held  # all the guard's
+    finally:
+        engine.close()
+
+
+def test_back_ahead_with_prefault_or_a_bad_size_is_refused(short_tmp) -> None:
+    """Risk: a manifest that asks for both backings, or a size that is no size, starts a
+    daemon that silently does one thing; the error names the flag and the fix."""
+    sock = os.path.join(short_tmp, "g.sock")
+    for flags, fix in ((["--prefault", "--back-ahead", "1GiB"], "give one of the two"),
+                       (["--back-ahead", "lots"], "back_ahead")):
+        out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", sock, *flags],
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 2 and fix in out.stderr, out.stderr
+        assert not os.path.exists(sock)
 
 
 def test_status_probes_leave_the_log_alone(guard) -> None:

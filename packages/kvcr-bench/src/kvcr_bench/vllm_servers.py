@@ -97,17 +97,19 @@ class Process:
 
 class GuardProcess(Process):
     def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False,
-                 whole_pool: bool = False) -> None:
-        """`prefault`: back the pool (`--prefault`, as the Kubernetes manifests run it: the
-        first namespace's at start, before the socket exists), so no copy pays first-touch
-        page faults. `whole_pool`:
-        one namespace may take the whole pool (`--namespace-pool-bytes` = the pool, as the
-        manifests run a node of one model); else the daemon's default quarter share."""
+                 back_ahead: str | None = None, whole_pool: bool = False) -> None:
+        """`prefault`: back the whole pool (`--prefault`: the first namespace's at start,
+        before the socket exists); `back_ahead`: back it as it fills, that size ahead of the
+        slots in use (`--back-ahead`, as the Kubernetes manifests run it): either way no
+        copy pays first-touch page faults. `whole_pool`: one namespace may take the whole
+        pool (`--namespace-pool-bytes` = the pool, as the manifests run a node of one
+        model); else the daemon's default quarter share."""
         self.socket = str(workdir / "guard.sock")
         share = ["--namespace-pool-bytes", pool_bytes] if whole_pool else []
         super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
                           "--pool-bytes", pool_bytes, "--log-level", "WARNING", *share,
-                          *(["--prefault"] if prefault else [])],
+                          *(["--prefault"] if prefault else []),
+                          *(["--back-ahead", back_ahead] if back_ahead else [])],
                          workdir / "guard.log")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -10,12 +10,12 @@ in-process engine core and the multiprocess one (`vllm serve`'s), each case with
 p90 and max over 10 prompts (2 with --quick; with fewer than 10 samples the nearest-rank
 p90 is the maximum); plus each fresh engine's first request (kvcr's against vanilla's,
 both new prompts; and against a vanilla engine's started after kvcr's, while kvcr-guard
-still holds its backed pool: on a virtual machine that backs guest memory on first touch,
-memory backed anywhere slows the next fresh engine's first prefill, vanilla's too, so the
-second ratio tells kvcr's own cost from the machine's) and how long each engine took to
-start (kvcr-guard, run with `--prefault` as deployed, backs the namespace's pool, a quarter
-of 4 GiB, when it starts, before the engine attaches). Also reports the KV load throughput
-(bytes moved per second of load time).
+still holds its pool: on a virtual machine that backs guest memory on first touch, memory
+backed anywhere slows the next fresh engine's first prefill, vanilla's too, so the second
+ratio tells kvcr's own cost from the machine's) and how long each engine took to start
+(kvcr-guard runs with `--back-ahead` as deployed: it backs the first 256 MiB of the
+namespace's pool, a quarter of 4 GiB, when it starts, and the rest as the pool fills, that
+far ahead). Also reports the KV load throughput (bytes moved per second of load time).
 
 OpenMP threads: in-process, two (one per core here); multiprocess, one core fewer, as
 vLLM's CPU tuning advises (`VLLM_CPU_NUM_OF_RESERVED_CPU`): there the engine core's process
@@ -41,6 +41,7 @@ from kvcr_bench.copies import meets
 from kvcr_bench.tiny_model import PRESETS, build
 from kvcr_bench.vllm_servers import GuardProcess
 
+BACK_AHEAD = "256MiB"  # kvcr-guard's margin: four of the bench preset's prompts of KV
 TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
            "ttft_ratio_kvcr_vs_local_prefix": ("<=", 1.5),
            "ttft_ratio_kvcr_vs_example_connector": ("<", 1.0),
@@ -92,7 +93,7 @@ def _cases(base: dict[str, Any], prompts: list[list[int]], multiprocess: bool
     print(f"bench vllm ({mode}): (a)+(b) vanilla engine ...", file=progress, flush=True)
     vanilla = _probe({**base, "connector": "none", "requests": twice})
     workdir = Path(tempfile.mkdtemp(prefix="kvcrbv", dir="/tmp"))
-    guard = GuardProcess(workdir, pool_bytes="4GiB", prefault=True)  # as deployed
+    guard = GuardProcess(workdir, pool_bytes="4GiB", back_ahead=BACK_AHEAD)  # as deployed
     try:
         extra = {"mode": "guarded", "socket": guard.socket}
         print(f"bench vllm ({mode}): (c) kvcr engine A stores, engine B loads ...",

@@ -148,6 +148,11 @@ class BlockIndex:
         return len(self._ready) + len(self._filling)
 
     @property
+    def fresh_slots(self) -> int:
+        """Slots ever handed out are all below this one (the pool's high-water mark)."""
+        return self._fresh
+
+    @property
     def free_slots(self) -> int:
         return self.capacity_slots - self.used_slots
 

@@ -11,10 +11,17 @@ before anyone else can see it: a process holding the fd cannot `ftruncate` it, s
 of a mapping can ever be hit by SIGBUS because another one cut the file short. `map_fd`
 refuses an fd that is not sealed so, or whose size is not the one announced.
 
+Backing: `prefault` backs every page now; `back_ahead` backs pages as the pool fills, a fixed
+number of bytes ahead of the highest byte in use (`note_used`), on a daemon thread, so the
+holder's memory grows with its content and never holds what nobody stored yet (a virtual
+machine that hands free memory back to its host makes every other process's first touches
+slower while a large backed pool is held). A reservation that outruns the thread backs its
+own pages before it is handed out: whoever writes into the pool never backs a page itself.
+
 Page tables: an engine that maps a pool another process backed still pays a page fault the
 first time it touches each page (measured here: a 64 MiB copy out of a freshly mapped pool
-7.5 ms against 4 ms, into it 25 ms against 4 ms). `map_pages_in_background` maps them all
-ahead of use; it never backs a page itself unless the region's holder left it unbacked.
+7.5 ms against 4 ms, into it 25 ms against 4 ms). `map_pages_in_background` maps them ahead
+of use, in order, each range once its holder backed it (`mincore`): it never backs a page.
 
 Threading: mapping and closing are not thread-safe (except against the background page
 mapper, which `close` stops first); slot views may be used from any thread as long as the
@@ -26,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -39,6 +47,7 @@ SLOT_ALIGN_BYTES: Final = 4096
 _MADV_POPULATE_READ: Final = 22  # Linux 5.14+; not exported by the mmap module
 _MADV_POPULATE_WRITE: Final = 23
 _MAP_CHUNK_BYTES: Final = 32 << 20
+_MAP_WAIT_S: Final = (0.02, 0.5)  # the mapper's wait for its holder to back the next range
 _PREFAULT_CHUNK_BYTES: Final = 8 << 20
 SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """What every shared pool memfd carries: its size is fixed, and so are its seals."""
@@ -65,6 +74,12 @@ class HostRegion:
         self._address: int | None = None
         self.backed = False
         """Every page backed by this process's `prefault` (the memory exists, charged here)."""
+        self.ahead_bytes = 0
+        """`back_ahead`'s margin (0: this process does not back pages as the region fills)."""
+        self._backed_to = 0  # [0, _backed_to) backed by back_range/back_ahead (a lower bound)
+        self._want = 0  # where the back-ahead thread is asked to reach
+        self._backer: threading.Thread | None = None
+        self._backing = threading.Condition()
         self._mapper: threading.Thread | None = None
         self._stop_mapping = threading.Event()
 
@@ -148,10 +163,82 @@ class HostRegion:
                 view[start:end] = zeros[: end - start]
         self.backed = True
 
+    @property
+    def backs_pages(self) -> bool:
+        """This process backs the region's pages: all of them (`prefault`) or as it fills."""
+        return self.backed or self.ahead_bytes > 0
+
+    @property
+    def backed_bytes(self) -> int:
+        """How far from the start every page is known backed here (all: the whole size)."""
+        return self.size_bytes if self.backed else min(self._backed_to, self.size_bytes)
+
+    def back_range(self, start: int, end: int) -> None:
+        """Backs the pages of [start, end) now, keeping what they hold (a writer may be
+        filling them). Pages already backed cost a page-table walk only. The GIL is released
+        meanwhile (ctypes), so a daemon's loop goes on while a thread backs pages."""
+        address = self.address
+        start = start // PAGE_BYTES * PAGE_BYTES
+        end = min(round_up(end, PAGE_BYTES), self.size_bytes)
+        if end <= start:
+            return
+        if _libc().madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(end - start),
+                           _MADV_POPULATE_WRITE) != 0 and self._fd is not None:
+            os.posix_fallocate(self._fd, start, end - start)  # before 5.14: contents kept
+
+    def back_ahead(self, ahead_bytes: int, *, wait: bool = False) -> None:
+        """From now on keeps every page up to `ahead_bytes` past the highest byte in use
+        (`note_used`) backed, on a daemon thread; starts with the first `ahead_bytes` (in the
+        caller first with `wait`). Stops at `close`."""
+        if ahead_bytes <= 0:
+            raise ValueError(f"back-ahead margin must be positive, got {ahead_bytes}")
+        if wait:
+            self.back_range(0, ahead_bytes)
+            self._backed_to = max(self._backed_to, min(ahead_bytes, self.size_bytes))
+        with self._backing:
+            self.ahead_bytes = ahead_bytes
+            self._want = max(self._want, min(ahead_bytes, self.size_bytes))
+            if self._backer is None:
+                self._backer = threading.Thread(target=self._back_pages, name="kvcr-back-pages",
+                                                daemon=True)
+                self._backer.start()
+            self._backing.notify()
+
+    def note_used(self, end_bytes: int) -> None:
+        """Bytes [0, end_bytes) may be written now: backs any of them the thread has not
+        reached yet before returning, and moves the thread's target `ahead_bytes` further."""
+        if self.ahead_bytes <= 0 or self.backed:
+            return
+        if end_bytes > self._backed_to:
+            self.back_range(self._backed_to, end_bytes)
+            self._backed_to = max(self._backed_to, min(end_bytes, self.size_bytes))
+        want = min(end_bytes + self.ahead_bytes, self.size_bytes)
+        if want > self._want:
+            with self._backing:
+                self._want = max(self._want, want)
+                self._backing.notify()
+
+    def _back_pages(self) -> None:
+        while True:
+            with self._backing:
+                while self._backed_to >= self._want and not self._stop_mapping.is_set():
+                    self._backing.wait()
+                if self._stop_mapping.is_set():
+                    return
+                start, want = self._backed_to, self._want
+            end = min(start + _MAP_CHUNK_BYTES, want)
+            try:
+                self.back_range(start, end)
+            except (ClosedError, ValueError):
+                return  # closed meanwhile
+            self._backed_to = max(self._backed_to, end)
+
     def map_pages_in_background(self) -> threading.Thread:
-        """Maps every page of a region another process backed into this process's page
+        """Maps the pages of a region another process backs into this process's page
         tables, on a daemon thread (the GIL is released in the kernel call), so this process's
-        first copies into and out of each slot pay no faults. Stops at `close`."""
+        first copies into and out of each slot pay no faults. Goes in order, each range once
+        it is backed (a holder backing pages as the pool fills gets there later); it never
+        backs a page itself. Stops at `close`."""
         if self._mapper is None:
             self._mapper = threading.Thread(target=self._map_pages, name="kvcr-map-pages",
                                             daemon=True)
@@ -160,22 +247,34 @@ class HostRegion:
 
     def _map_pages(self) -> None:
         address, libc = self.address, _libc()
-        for start in range(0, self.size_bytes, _MAP_CHUNK_BYTES):
+        start, wait = 0, _MAP_WAIT_S[0]
+        while start < self.size_bytes:
+            length = _resident_prefix(libc, address + start,
+                                      min(_MAP_CHUNK_BYTES, self.size_bytes - start))
+            if length == 0:
+                if self._stop_mapping.wait(wait):
+                    return
+                wait = min(wait * 2, _MAP_WAIT_S[1])
+                continue
             if self._stop_mapping.is_set():
                 return
-            length = min(_MAP_CHUNK_BYTES, self.size_bytes - start)
+            wait = _MAP_WAIT_S[0]
             if libc.madvise(ctypes.c_void_p(address + start), ctypes.c_size_t(length),
                             _MADV_POPULATE_READ) != 0:  # kernel before 5.14: touch them
                 view = self._view
                 if view is None:
                     return
                 bytes(view[start:start + length:PAGE_BYTES])
+            start += length
 
     def close(self) -> None:
         """Unmaps and closes the fd. Callers must have dropped every slot view first."""
         self._stop_mapping.set()
-        if self._mapper is not None:
-            self._mapper.join()
+        with self._backing:
+            self._backing.notify_all()
+        for thread in (self._mapper, self._backer):
+            if thread is not None:
+                thread.join()
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -193,11 +292,25 @@ class HostRegion:
         self.close()
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mincore.restype = ctypes.c_int
     return libc
+
+
+def _resident_prefix(libc: ctypes.CDLL, address: int, length: int) -> int:
+    """How many bytes from `address` on (up to `length`) exist in memory, page after page
+    (for a shared mapping: its holder backed them), found without faulting any in."""
+    pages = -(-length // PAGE_BYTES)
+    vector = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
+        return 0
+    first_missing = bytes(vector).find(0)
+    return length if first_missing < 0 else first_missing * PAGE_BYTES
 
 
 class SlotPool:

@@ -7,7 +7,12 @@ Callers copy bytes themselves between `reserve`/`commit` (writes) and `acquire`/
 A commit fixes each block's checksum (kvcr_core.checksums): given by the writer, or hashed
 here for in-process writers that give none. Engines never see another namespace's blocks.
 
-Threading: every public method is thread-safe. Nothing here spins or starts threads.
+Pool memory is backed in this process when asked: all of it when a namespace opens
+(`prefault`), or as the pool fills, `back_ahead` bytes ahead of the slots in use
+(kvcr_core.memory: `HostRegion.back_ahead`).
+
+Threading: every public method is thread-safe. Nothing here spins; the only threads are a
+region's page backer (`back_ahead`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,10 @@ class NamespaceStore:
             index = self.index
             table_full = index.open_reservations >= index.max_reservations
             res = index.reserve(keys, owner, limit=limit)
+            high_water = index.fresh_slots
+        region = self.pool.region
+        if region.ahead_bytes:  # the pages of what was just handed out are backed first
+            region.note_used(high_water * self.pool.stride_bytes)
         self._metrics.on_reserve(
             self._clock() - start, res.refused,
             CapacityResource.RESERVATIONS if table_full else CapacityResource.SLOTS)
@@ -207,25 +216,33 @@ class Runner:
         hint = self.hints.accept(raw)
         return 0 if hint is None else self.hint_board.post(hint)
 
-    def back_first_pool(self) -> int:
+    def back_first_pool(self, ahead_bytes: int = 0) -> int:
         """Creates and backs (prefaults) the memory of the first namespace's pool now (a
         daemon's start-up), so the first engine's attach does not wait for the backing and
         the daemon's loop is not held by it; that namespace takes it when it opens (if its
-        pool is this size: the per-namespace size within `pool_bytes`). Returns the bytes
-        backed."""
+        pool is this size: the per-namespace size within `pool_bytes`). With `ahead_bytes`,
+        backs only that much now and the rest as the pool fills (`HostRegion.back_ahead`).
+        Returns the bytes backed."""
         cfg = self.config
         with self._lock:
             if self._closed or self._stores or self._backed is not None:
                 return 0
             size = min(cfg.namespace_pool_bytes or cfg.pool_bytes, cfg.pool_bytes)
             region = HostRegion.create(size, _REGION_KIND[cfg.memory_backing], "kvcr-pool")
-            region.prefault()
+            if ahead_bytes:
+                region.back_ahead(ahead_bytes, wait=True)
+            else:
+                region.prefault()
             self._backed = region
-            return region.size_bytes
+            return region.backed_bytes
 
     def open_namespace(self, namespace: NamespaceSpec | NamespaceDigest, block_bytes: int, *,
-                       pool_bytes: int | None = None, prefault: bool = False) -> NamespaceStore:
+                       pool_bytes: int | None = None, prefault: bool = False,
+                       back_ahead: int = 0) -> NamespaceStore:
         """The namespace's store, created on first use with slots of `block_bytes`.
+
+        A new pool is backed here whole (`prefault`), or as it fills, `back_ahead` bytes
+        ahead of the slots in use, on a background thread (the first ones included).
 
         Its pool takes `pool_bytes` (default: the config's per-namespace size), bounded by
         what is left of `config.pool_bytes`. Opening again with the same block size returns
@@ -264,6 +281,8 @@ class Runner:
                                            f"kvcr-{digest.hex()[:12]}")
                 if prefault:
                     region.prefault()
+                elif back_ahead:
+                    region.back_ahead(back_ahead)
             index = BlockIndex(slots, make_policy(cfg.eviction_policy, slots),
                                max_reservations=cfg.max_reservations,
                                max_leases=cfg.max_leases)

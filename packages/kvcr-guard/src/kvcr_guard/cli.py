@@ -16,7 +16,7 @@ from kvcr_core.attach import (
     ServerConfig,
     secret_from,
 )
-from kvcr_core.config import load_config
+from kvcr_core.config import load_config, parse_size_bytes
 from kvcr_core.errors import ConfigError
 from kvcr_core.peers import PeerTLS
 from kvcr_guard._version import __version__
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory cgroup, not to the engines that map them (Kubernetes: request the "
                     "pool's memory on the daemon's container): the first namespace's before "
                     "the socket exists, at start-up; any other's when it opens")
+    ap.add_argument("--back-ahead", metavar="SIZE",
+                    help="back the pool's pages in this daemon as the pool fills, SIZE ahead "
+                    "of the slots in use (e.g. 512MiB; the first SIZE before the socket "
+                    "exists): charged here like --prefault, but the daemon holds only what "
+                    "is stored plus SIZE, and starts at once; a write that outruns it backs "
+                    "its own pages before the engine gets them. Not with --prefault")
     ap.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus /metrics address")
     ap.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus /metrics port (0 = any free port; default: off)")
@@ -132,6 +138,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
         max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
         limits=limits, namespace_idle_s=args.namespace_idle_s or None, prefault=args.prefault,
+        back_ahead_bytes=(parse_size_bytes("back_ahead", args.back_ahead)
+                          if args.back_ahead is not None else 0),
         **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,
                        metrics_port=args.metrics_port)

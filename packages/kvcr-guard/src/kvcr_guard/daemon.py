@@ -30,15 +30,16 @@ class GuardDaemon:
         self.metrics_port: int | None = None
 
     def listen(self) -> None:
-        """With --prefault, backs the first namespace's pool first; then binds the metrics
-        port, the socket and the peer port (raises on failure). The socket comes after the
-        metrics port: whoever waits for the socket (a supervisor, a readiness probe) may
-        scrape at once. SIGTERM and SIGINT are handled from here on: a client may connect,
-        and a supervisor stop the daemon, as soon as the socket exists (a stop before `run`
-        drains at once)."""
-        if self.config.server.prefault:  # before the socket exists: the first engine
-            # attaches to a backed pool at once, and the loop is not held while it is backed
-            backed = self.server.runner.back_first_pool()
+        """With --prefault (--back-ahead), backs the first namespace's pool (its first SIZE)
+        first; then binds the metrics port, the socket and the peer port (raises on
+        failure). The socket comes after the metrics port: whoever waits for the socket (a
+        supervisor, a readiness probe) may scrape at once. SIGTERM and SIGINT are handled
+        from here on: a client may connect, and a supervisor stop the daemon, as soon as the
+        socket exists (a stop before `run` drains at once)."""
+        server = self.config.server
+        if server.prefault or server.back_ahead_bytes:  # before the socket exists: the first
+            # engine attaches to a backed pool at once; the loop is not held while it is backed
+            backed = self.server.runner.back_first_pool(server.back_ahead_bytes)
             log.info("kvcr-guard backed %d bytes for the first namespace's pool", backed)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):

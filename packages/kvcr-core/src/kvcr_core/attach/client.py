@@ -58,9 +58,9 @@ class AttachClient:
     def __init__(self, socket_path: str, namespace: NamespaceSpec, block_bytes: int, *,
                  identity: str = "", timeout_s: float = 2.0, map_pages: bool = False) -> None:
         """`map_pages`: this process copies KV into and out of the pool; once attached to a
-        pool its Runner backed, map all its pages here in the background (no first-touch
-        faults in the copies; a pool not backed is left so: its pages would be charged to
-        this process)."""
+        pool its Runner backs, map its pages here in the background as they are backed (no
+        first-touch faults in the copies; a pool not backed is left so: its pages would be
+        charged to this process)."""
         self.socket_path = socket_path
         self.namespace = namespace
         self.block_bytes = block_bytes

@@ -48,6 +48,11 @@ class ServerConfig:
     gets its fd: the pages are then charged to this process's memory cgroup, never to the
     engines that map them (what a Kubernetes memory request on the daemon needs). The first
     Hello of a namespace waits for it, and so does the server's loop."""
+    back_ahead_bytes: int = 0
+    """Back a namespace's pool pages here as it fills, this many bytes ahead of the slots in
+    use (0: off): charged to this process like `prefault`, but only what is stored (plus the
+    margin) is held; a reservation that outruns the margin backs its own pages before the
+    engine gets them. Exclusive with `prefault`."""
     peer: PeerConfig = dataclasses.field(default_factory=PeerConfig)
 
     @property
@@ -70,6 +75,12 @@ class ServerConfig:
         parent = os.path.dirname(os.path.abspath(self.socket_path))
         if not self.abstract and not os.path.isdir(parent):
             raise ConfigError("socket", self.socket_path, f"create the directory {parent} first")
+        if self.back_ahead_bytes < 0:
+            raise ConfigError("back_ahead", self.back_ahead_bytes,
+                              "give a size such as 512MiB (0: off)")
+        if self.back_ahead_bytes and self.prefault:
+            raise ConfigError("back_ahead", self.back_ahead_bytes,
+                              "--prefault backs the whole pool already: give one of the two")
         if not self.allowed_uids or any(u < 0 for u in self.allowed_uids):
             raise ConfigError("allowed_uids", sorted(self.allowed_uids),
                               "give one or more non-negative uids")

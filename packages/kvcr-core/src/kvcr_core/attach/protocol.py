@@ -224,8 +224,9 @@ class Welcome(Message, tag="welcome"):
     capacity_slots: int
     region_bytes: int
     backed: bool = False
-    """The Runner backed every page of the pool (kvcr-guard --prefault): the engine may map
-    them all ahead of use. Absent from an older Runner's Welcome (read as false)."""
+    """The Runner backs the pool's pages: every page (kvcr-guard --prefault) or each before
+    it is handed out (--back-ahead). The engine may map them ahead of use, each once it is
+    backed. Absent from an older Runner's Welcome (read as false)."""
 
 
 class Goodbye(Message, tag="goodbye"):

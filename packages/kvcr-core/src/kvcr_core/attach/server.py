@@ -95,6 +95,7 @@ class AttachServer:
     def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
         self.config = config
         self.limits, self.prefault = config.limits, config.prefault
+        self.back_ahead_bytes = config.back_ahead_bytes
         self.registry = registry if registry is not None else CollectorRegistry()
         self.runner = Runner(config.runner, registry=self.registry)
         self.metrics = AttachMetrics(self.registry)

@@ -95,6 +95,7 @@ class SessionHost(Protocol):
     metrics: AttachMetrics
     limits: ClientLimits
     prefault: bool
+    back_ahead_bytes: int
 
     def status(self) -> str: ...
 
@@ -173,7 +174,8 @@ class ClientSession:
             raise SessionClosed(*refusal)
         try:
             store = self._host.runner.open_namespace(spec, hello.block_bytes,
-                                                     prefault=self._host.prefault)
+                                                     prefault=self._host.prefault,
+                                                     back_ahead=self._host.back_ahead_bytes)
         except (ConfigError, ValueError) as exc:
             raise SessionClosed(CloseReason.BAD_NAMESPACE, str(exc)) from None
         except CapacityError as exc:
@@ -187,7 +189,7 @@ class ClientSession:
         pool = store.pool
         welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, store.digest, pool.slot_bytes,
                             pool.stride_bytes, pool.capacity_slots, pool.region.size_bytes,
-                            pool.region.backed)
+                            pool.region.backs_pages)
         return p.encode_frame(welcome), [pool.region.fd], False
 
     def _request(self, request: p.Request) -> p.Reply:

@@ -15,7 +15,8 @@ own tests and for anyone testing code built on it.
   (wrong bytes, silence, death, addresses it never exposed), over TCP or a read transport.
 - `FakeAttachClient` and `ManualClock`: an engine's attachment without a socket, and time
   that moves when the test says, for unit tests of engine adapters.
-- `mapped_kib(address)`: how much of a mapping this process's page tables hold (smaps Rss).
+- `mapped_kib(address)`: how much of a mapping this process's page tables hold (smaps Rss);
+  `resident_kib(address, length)`: how much of it exists in memory, whoever backed it.
 - `ThreadedCopyEngine`: a copy engine whose CPU copies complete later on a helper thread (held,
   released or failed by the test), so CPU tests check the ordering rules a GPU imposes.
 """
@@ -26,8 +27,9 @@ from kvcr_core.testing.copies import ThreadedCopyEngine
 from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
 from kvcr_core.testing.netns import network_namespaces
 from kvcr_core.testing.nodes import peer_node, stocked_source
-from kvcr_core.testing.pages import mapped_kib
+from kvcr_core.testing.pages import mapped_kib, resident_kib
 
 __all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
            "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "mapped_kib",
-           "network_namespaces", "pattern_block", "peer_node", "random_keys", "stocked_source"]
+           "network_namespaces", "pattern_block", "peer_node", "random_keys", "resident_kib",
+           "stocked_source"]

@@ -1,8 +1,23 @@
 """What this process's page tables hold of a mapping: `mapped_kib(address)`, the Rss that
-/proc/self/smaps reports for the mapping starting at `address` (Linux only). How tests see
-whether a pool's pages were mapped ahead of use, without timing anything."""
+/proc/self/smaps reports for the mapping starting at `address` (Linux only); and what exists
+of a shared mapping's memory whoever backed it: `resident_kib(address, length)` (mincore).
+How tests see whether a pool's pages were backed or mapped ahead of use, without timing."""
 
 from __future__ import annotations
+
+import ctypes
+import mmap
+
+
+def resident_kib(address: int, length: int) -> int:
+    """KiB of [address, address + length) in memory (for a shared file mapping: backed by any
+    process), found without faulting a page in."""
+    pages = -(-length // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in bytes(vector)) * mmap.PAGESIZE // 1024
 
 
 def mapped_kib(address: int) -> int:
