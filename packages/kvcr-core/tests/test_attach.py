@@ -26,7 +26,7 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.peers import PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block
+from kvcr_core.testing import pattern_block, random_keys, resident_kib
 
 SECRET = "attach-test-secret-0123456789abcdef"
 BLOCK = 8192
@@ -170,15 +170,20 @@ def _rss_shmem_kib() -> int:
     raise AssertionError("no RssShmem in /proc/self/status")
 
 
-@pytest.mark.parametrize("prefault", [False, True])
-def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(prefault: bool) -> None:
-    """Risk: `prefault` is accepted but the embedded pool is still faulted in by the first
-    saves and peer fetches (first-touch faults on the hot path), or an embedded Runner backs
-    pages nobody asked for."""
-    pool = 64 << 20
+@pytest.mark.parametrize("backing", ["none", "prefault", "back_ahead"])
+def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(backing: str) -> None:
+    """Risk: `prefault` or `back_ahead` is accepted but the embedded pool is still faulted
+    in by the first saves and peer fetches (first-touch faults on the hot path), or an
+    embedded Runner backs pages nobody asked for (back-ahead: more than its margin plus what
+    was reserved)."""
+    import time
+
+    pool, mib = 64 << 20, 1 << 20
+    prefault = backing == "prefault"
+    extra = {"pool_bytes": pool, "prefault": prefault,
+             **({"back_ahead": "8MiB"} if backing == "back_ahead" else {})}
     fields = EngineSettings.fields_from(
-        {"pool_bytes": pool, "prefault": prefault}, field="cfg",
-        default_socket=f"\0kvcr-prefault-test-{os.getpid()}-{int(prefault)}")
+        extra, field="cfg", default_socket=f"\0kvcr-prefault-test-{os.getpid()}-{backing}")
     embedded = EmbeddedRunner(EngineSettings(**fields),
                               runner=KVCRConfig(pool_bytes=pool, namespace_pool_bytes=pool))
     client = AttachClient(fields["socket"], SPEC, BLOCK, identity="prefault")
@@ -189,8 +194,19 @@ def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(prefault: bool) 
         region_kib = client.pool.region.size_bytes // 1024
         if prefault:
             assert backed >= region_kib  # every page, before the Welcome
-        else:
+        elif backing == "none":
             assert backed < region_kib // 8
+        else:
+            region = client.pool.region
+            deadline = time.monotonic() + 10
+            while resident_kib(region.address, pool) < 8 * 1024 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert resident_kib(region.address, pool) == 8 * 1024  # the margin only
+            reservation = client.reserve(random_keys(20 * mib // BLOCK, seed=5))
+            top = max(s for s in reservation.slots if s is not None) + 1
+            top_kib = top * client.pool.stride_bytes // 1024
+            assert resident_kib(region.address, pool) >= top_kib  # before the reply
     finally:
         client.close()
         embedded.stop()

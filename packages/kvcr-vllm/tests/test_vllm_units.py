@@ -27,6 +27,10 @@ from kvcr_vllm.settings import ConnectorSettings
     ({"prefault": "yes"}, "kv_connector_extra_config.prefault"),
     ({"mode": "guarded", "socket": "/run/kvcr/g.sock", "prefault": True},
      "kv_connector_extra_config.prefault"),
+    ({"back_ahead": "lots"}, "kv_connector_extra_config.back_ahead"),
+    ({"back_ahead": "256MiB", "prefault": True}, "kv_connector_extra_config.back_ahead"),
+    ({"mode": "guarded", "socket": "/run/kvcr/g.sock", "back_ahead": "1GiB"},
+     "--back-ahead"),
 ])
 def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
     """A wrong kv_connector_extra_config is a start-up error naming the field and the fix."""
@@ -48,7 +52,9 @@ def test_extra_config_defaults_and_values() -> None:
     assert not default.peer.nixl  # NIXL (pool writable by peers) only when asked for
     assert default.fetch_wait_s == 0.05 and not default.prefault
     tuned = ConnectorSettings.from_extra_config({"fetch_wait_s": 0, "prefault": True}, "e")
-    assert tuned.fetch_wait_s == 0 and tuned.prefault
+    assert tuned.fetch_wait_s == 0 and tuned.prefault and not tuned.back_ahead_bytes
+    ahead = ConnectorSettings.from_extra_config({"back_ahead": "256MiB"}, "e")
+    assert ahead.back_ahead_bytes == 256 << 20 and not ahead.prefault
 
 
 def test_stats_aggregate_reduce_and_bounded_labels() -> None:

@@ -48,7 +48,13 @@ from kvcr_bench.copies import meets
 from kvcr_bench.serve_proxy import SplitProxy
 from kvcr_bench.serve_traffic import Shape, Turn, schedule, write_trace
 from kvcr_bench.tiny_model import build
-from kvcr_bench.vllm_servers import CPU_ENV, GuardProcess, VllmServer, start_servers
+from kvcr_bench.vllm_servers import (
+    BACK_AHEAD,
+    CPU_ENV,
+    GuardProcess,
+    VllmServer,
+    start_servers,
+)
 
 CASES = ("vanilla", "vanilla-cap", "kvcr", "example")
 VANILLA = ("vanilla", "vanilla-cap")
@@ -201,8 +207,9 @@ def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
 def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
           workdir: Path, prefill_cap: int = PREFILL_CAP) -> list[dict[str, Any]]:
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
-    # one model on the node: its namespace may take the whole pool (as the manifests run it)
-    guard = (GuardProcess(workdir, pool_bytes="2GiB", prefault=True, whole_pool=True)
+    # one model on the node: its namespace may take the whole pool, backed as it fills (as
+    # the manifests run it)
+    guard = (GuardProcess(workdir, pool_bytes="2GiB", back_ahead=BACK_AHEAD, whole_pool=True)
              if case == "kvcr" else None)
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],

@@ -25,6 +25,7 @@ CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000",
            "TOKENIZERS_PARALLELISM": "false"}
+BACK_AHEAD = "256MiB"  # kvcr-guard's --back-ahead: four 4,096-token prompts of the bench KV
 
 
 def metric_total(text: str, name: str) -> float:
@@ -49,7 +50,6 @@ def _die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
 
 class Process:
     """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL); it also

@@ -39,9 +39,8 @@ from typing import Any
 
 from kvcr_bench.copies import meets
 from kvcr_bench.tiny_model import PRESETS, build
-from kvcr_bench.vllm_servers import GuardProcess
+from kvcr_bench.vllm_servers import BACK_AHEAD, GuardProcess
 
-BACK_AHEAD = "256MiB"  # kvcr-guard's margin: four of the bench preset's prompts of KV
 TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
            "ttft_ratio_kvcr_vs_local_prefix": ("<=", 1.5),
            "ttft_ratio_kvcr_vs_example_connector": ("<", 1.0),

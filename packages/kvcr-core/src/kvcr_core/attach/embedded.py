@@ -37,7 +37,8 @@ class EmbeddedRunner:
         self.socket_path = settings.socket
         config = runner if runner is not None else settings.runner
         self.server = AttachServer(ServerConfig(socket_path=settings.socket, runner=config,
-                                                peer=settings.peer, prefault=settings.prefault))
+                                                peer=settings.peer, prefault=settings.prefault,
+                                                back_ahead_bytes=settings.back_ahead_bytes))
         self.server.listen()
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)

@@ -29,7 +29,7 @@ ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", 
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
                          "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen",
-                         "prefault"})
+                         "prefault", "back_ahead"})
 DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
@@ -153,6 +153,10 @@ class EngineSettings:
     prefault: bool = False
     """Embedded mode: back the whole pool when the engine starts (kvcr-guard: --prefault), so
     saves and fetches never pay first-touch page faults."""
+    back_ahead_bytes: int = 0
+    """Embedded mode: back the pool as it fills, this far ahead of the slots in use
+    (kvcr-guard: --back-ahead): the same for saves and fetches, but the engine holds only
+    what is stored plus the margin (0: off)."""
 
     @staticmethod
     def fields_from(extra: Mapping[str, Any], *, field: str,
@@ -184,12 +188,7 @@ class EngineSettings:
             raise ConfigError(f"{field}.metrics_listen", extra["metrics_listen"],
                               "in guarded mode kvcr-guard serves the metrics: use its "
                               "--metrics-host/--metrics-port")
-        prefault = extra.get("prefault", False)
-        if not isinstance(prefault, bool):
-            raise ConfigError(f"{field}.prefault", prefault, "use true or false")
-        if mode is Mode.GUARDED and prefault:
-            raise ConfigError(f"{field}.prefault", prefault,
-                              "in guarded mode kvcr-guard owns the pool: use its --prefault")
+        prefault, back_ahead = _backing(extra, field, mode)
         # In guarded mode the daemon dials (and must list the same peers with --peer); the
         # engine only filters hints, so it needs no secret.
         peer = PeerConfig.from_mapping(extra, field=field, load_secret=mode is Mode.EMBEDDED)
@@ -197,7 +196,25 @@ class EngineSettings:
                 "runner": _runner_config(extra, field),
                 "timeout_s": _seconds(f"{field}.timeout_s", extra.get("timeout_s", 2.0)),
                 "identity": identity, "peer": peer, "metrics_listen": metrics,
-                "prefault": prefault}
+                "prefault": prefault, "back_ahead_bytes": back_ahead}
+
+
+def _backing(extra: Mapping[str, Any], field: str, mode: Mode) -> tuple[bool, int]:
+    """`prefault` and `back_ahead` (bytes; 0: off): embedded mode only, one of the two."""
+    prefault = extra.get("prefault", False)
+    if not isinstance(prefault, bool):
+        raise ConfigError(f"{field}.prefault", prefault, "use true or false")
+    raw = extra.get("back_ahead")
+    back_ahead = 0 if raw in (None, 0, "0") else parse_size_bytes(f"{field}.back_ahead", raw)
+    for key, value, flag in (("prefault", prefault, "--prefault"),
+                             ("back_ahead", back_ahead, "--back-ahead")):
+        if mode is Mode.GUARDED and value:
+            raise ConfigError(f"{field}.{key}", extra[key],
+                              f"in guarded mode kvcr-guard owns the pool: use its {flag}")
+    if prefault and back_ahead:
+        raise ConfigError(f"{field}.back_ahead", raw,
+                          "prefault backs the whole pool already: give one of the two")
+    return prefault, back_ahead
 
 
 def _listen(field: str, value: object) -> tuple[str, int] | None:
