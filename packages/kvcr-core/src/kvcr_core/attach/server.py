@@ -48,6 +48,7 @@ from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientSession, SessionClosed
 from kvcr_core.attach.status import status_report
 from kvcr_core.attach.tenancy import Tenancy
+from kvcr_core.attach.wake import WakePipe
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
@@ -108,7 +109,7 @@ class AttachServer:
         self._listener: socket.socket | None = None
         self._accept_pause_s = 0.0
         self._accept_at = 0.0  # accepting again from then, after an accept error
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = WakePipe()
         self._stopping = threading.Event()
         self._next_owner = 1
         self._started = time.monotonic()
@@ -159,16 +160,15 @@ class AttachServer:
         sock.setblocking(False)
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._sel.register(self._wake.read_fd, selectors.EVENT_READ, "wake")
         self.tenancy.start_peers()
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
     def request_shutdown(self) -> None:
-        """Thread- and signal-safe."""
+        """Thread- and signal-safe; harmless after the loop ended (`WakePipe`)."""
         self._stopping.set()
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
+        self._wake.wake()
 
     def serve_forever(self) -> int:
         if self._listener is None:
@@ -230,8 +230,7 @@ class AttachServer:
         if tag == "listen":
             self._accept()
         elif tag == "wake":
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+            self._wake.drain()
         elif isinstance(tag, tuple):  # ("pidfd", its connection)
             if self._open(tag[1]):
                 self._close(tag[1], CloseReason.CLIENT_DIED, "client process exited")
@@ -485,8 +484,7 @@ class AttachServer:
             self._refuse(conn, CloseReason.SHUTDOWN, "the kvcr runner is stopping")
         self.tenancy.close()
         self._sel.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
         self.runner.close()
 
     def _read_pending(self, conn: _Conn) -> None:
