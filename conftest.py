@@ -20,13 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcr_core.testing.ports import free_port
+
 WORKER = str(Path(__file__).parent / "packages" / "kvcr-guard" / "tests" / "guard_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Guard:

@@ -25,7 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 import httpx
 import yaml
 
-from kvcr_bench.vllm_servers import Process, VllmServer, free_port
+from kvcr_bench.vllm_servers import Process, VllmServer
+from kvcr_core.testing.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

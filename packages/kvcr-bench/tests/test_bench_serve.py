@@ -36,7 +36,8 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
     tokens on the engine that did not compute them, without a fault; the c8 ratios and
     target verdicts are in the JSON and the PNG chart is written; each server ran with its
     share of the cores' OpenMP threads (two engines on every core fight for them), and the
-    prefill cap reached exactly the engines of kvcr's case and of vanilla's second case."""
+    prefill cap reached exactly the engines of kvcr's case and of vanilla's second case; the
+    guard held its whole pool backed (the steady state the benchmark measures)."""
     out = subprocess.run([sys.executable, "-m", "kvcr_bench.serve_load", "--quick", "--json",
                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                          timeout=1200, check=False)
@@ -68,5 +69,8 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
     assert summary["vanilla_connector_tokens"] == summary["vanilla-cap_connector_tokens"] == 0
     assert summary["vanilla_baseline_p90_c8"] in ("vanilla", "vanilla-cap")
     assert summary["kvcr_failures"] == 0
+    # steady state: the guard's whole 2 GiB pool was backed (held resident) before the load
+    assert result["guard_back_ahead"] == "2GiB"
+    assert all(rows[("kvcr", c)]["guard_pool_resident_kib"] > 0.9 * (2 << 20) for c in (1, 8))
     png = Path(result["chart"]).read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -1,7 +1,7 @@
 """`kvcr bench serve`'s ratios against vanilla vLLM. Guards the risk that a server setting
 which helps kvcr (the prefill cap) flatters kvcr's ratios by hurting the baseline: each
 ratio must take vanilla's better figure over the configurations that ran, and a bad cap
-must be refused with the fix before any server starts."""
+or guard margin must be refused with the fix before any server starts."""
 
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ def test_a_negative_cap_is_refused_with_the_fix() -> None:
                          text=True, timeout=120, check=False)
     assert out.returncode != 0
     assert "--prefill-cap -5: give a token count (0: no cap)" in out.stderr
+
+
+def test_a_bad_back_ahead_is_refused_with_the_fix() -> None:
+    """A margin that is not a size names the option, the sizes it takes and what the pool
+    holds, and starts no server."""
+    kvcr = str(Path(sys.executable).parent / "kvcr")
+    out = subprocess.run([kvcr, "bench", "serve", "--back-ahead", "lots"], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode != 0
+    assert "--back-ahead" in out.stderr and "'lots'" in out.stderr
+    assert "kvcr-guard's pool is 2GiB" in out.stderr
+    assert "bench serve:" not in out.stderr  # no case started

@@ -5,7 +5,6 @@ The engines' side of it (vLLM, SGLang) is tested in their packages."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -22,17 +21,12 @@ from kvcr_core.attach import (
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.peers import FetchStatus
 from kvcr_core.testing import pattern_block
+from kvcr_core.testing.ports import free_port
 
 SECRET = "pull-on-miss-test-secret-0123456789abcdef"
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/pull")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def runner(name: str, port: int, peer_port: int, **extra: object) -> EmbeddedRunner:

@@ -369,7 +369,7 @@ def test_back_ahead_with_prefault_or_a_bad_size_is_refused(short_tmp) -> None:
     daemon that silently does one thing; the error names the flag and the fix."""
     sock = os.path.join(short_tmp, "g.sock")
     for flags, fix in ((["--prefault", "--back-ahead", "1GiB"], "give one of the two"),
-                       (["--back-ahead", "lots"], "back_ahead")):
+                       (["--back-ahead", "lots"], "--back-ahead='lots': give a size")):
         out = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket", sock, *flags],
                              capture_output=True, text=True, timeout=60, check=False)
         assert out.returncode == 2 and fix in out.stderr, out.stderr

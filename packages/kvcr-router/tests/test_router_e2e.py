@@ -19,7 +19,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcr_bench.vllm_servers import CPU_ENV, Process, free_port
+from kvcr_bench.vllm_servers import CPU_ENV, Process
+from kvcr_core.testing.ports import free_port
 from kvcr_router.hashing import HfTokenizer, PromptHasher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

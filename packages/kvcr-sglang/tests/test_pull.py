@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ from typing import Any
 
 import pytest
 
+from kvcr_core.testing.ports import free_port
+
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 SECRET = b"sglang-pull-test-secret-0123456789"
 SIDE = str(Path(__file__).with_name("sglang_side.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def side(socket_path: str, role: str, **more: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
@@ -16,18 +15,13 @@ from vllm.engine.arg_utils import EngineArgs
 from kvcr_core.attach import AttachClient
 from kvcr_core.cli.status_cmd import fetch_status
 from kvcr_core.keys import sequence_keys
+from kvcr_core.testing.ports import free_port
 from kvcr_vllm.settings import namespace_for
 
 pytestmark = pytest.mark.slow
 
 SECRET = "e2e-pull-secret-0123456789abcdefghij"
 PROMPT = [(i * 7919) % 2000 + 4 for i in range(2100)]  # 65 full blocks of 32 + 20 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def next_json(proc) -> dict:  # type: ignore[no-untyped-def]

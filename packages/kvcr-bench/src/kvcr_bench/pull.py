@@ -18,7 +18,6 @@ import array
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -28,15 +27,10 @@ from typing import Any
 
 from kvcr_bench.tiny_model import PRESETS, build
 from kvcr_bench.vllm_ttft import _probe
+from kvcr_core.testing.ports import free_port
 
 SECRET = "kvcr-bench-pull-secret-0123456789abcdef"
 TARGETS = {"ttft_ratio_pull_vs_hint": ("<=", 1.2)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spread(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -70,7 +64,7 @@ def _know_latency(samples: int) -> dict[str, float]:
     spec = NamespaceSpec(model_id="bench", dtype="float32", kv_dtype="float32",
                          block_size_tokens=4, num_layers=1, num_kv_heads=1, head_dim=64,
                          layout="bench/pull")
-    port_a, port_b = _free_port(), _free_port()
+    port_a, port_b = free_port(), free_port()
     runners = []
     for name, port, peer in (("a", port_a, port_b), ("b", port_b, port_a)):
         fields = EngineSettings.fields_from(
@@ -175,7 +169,7 @@ def run_pull_bench(*, quick: bool, as_json: bool) -> int:
 def _run(base: dict[str, Any], model: str, served: list[list[int]],
          b_requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Engine B's rows; hint markers become real hints naming engine A."""
-    port_a = _free_port()
+    port_a = free_port()
     requests = []
     for req in b_requests:
         req = dict(req)
@@ -189,7 +183,7 @@ def _engines_on(base: dict[str, Any], served: list[list[int]],
                 b_requests: list[dict[str, Any]], port_a: int) -> list[dict[str, Any]]:
     import subprocess
 
-    port_b = _free_port()
+    port_b = free_port()
     env = {**os.environ, "KVCR_PEER_SECRET": SECRET}
     job_a = {**base, "connector": "plugin", "hold": True,
              "extra": {"peer_listen": f"127.0.0.1:{port_a}"},

@@ -13,6 +13,10 @@ served from a cache and costs where they are not, so vanilla runs both ways and 
 take vanilla's better figure at each level (the lower p90, the higher throughput): a ratio
 cannot improve by hurting the baseline. ExampleConnector serves nothing here (see docs) and
 runs as vLLM's default.
+kvcr-guard's 2 GiB pool is backed before the load (`--back-ahead` the pool's size, unless
+`--back-ahead` says otherwise): the measured part is steady state, and a serving node's pool
+is backed for good once it has filled once; backing it during the load is that node's first
+fill, which `--back-ahead 256MiB` measures (the guard backs as the pool fills).
 The traffic (serve_traffic.py) is multi-turn conversations with long shared prefixes, in
 steady state (conversations start out of phase, after an unmeasured warm-up round); a
 SplitProxy in front of the two servers sends a user's consecutive turns to alternate
@@ -49,17 +53,19 @@ from kvcr_bench.serve_proxy import SplitProxy
 from kvcr_bench.serve_traffic import Shape, Turn, schedule, write_trace
 from kvcr_bench.tiny_model import build
 from kvcr_bench.vllm_servers import (
-    BACK_AHEAD,
     CPU_ENV,
     GuardProcess,
     VllmServer,
     start_servers,
 )
+from kvcr_core.config import parse_size_bytes
+from kvcr_core.errors import ConfigError
 
 CASES = ("vanilla", "vanilla-cap", "kvcr", "example")
 VANILLA = ("vanilla", "vanilla-cap")
 CAPPED = ("vanilla-cap", "kvcr")
 PREFILL_CAP = 256
+GUARD_POOL = "2GiB"  # kvcr-guard's pool in kvcr's case; the model's namespace may take it whole
 TARGETS = {"p90_ttft_ratio_kvcr_vs_vanilla_c8": ("<=", 0.5),
            "p90_ttft_ratio_kvcr_vs_example_c8": ("<=", 0.7),
            "throughput_ratio_kvcr_vs_vanilla_c8": (">=", 1.0)}
@@ -99,7 +105,7 @@ class Setup:
 
 FULL = Setup("bench", (1, 4, 8, 16), Shape(turns=6, system_chunks=16, document_chunks=32,
                                            question_chunks=2, answer_chunks=2,
-                                           output_tokens=16), requests_min=100)
+                                           output_tokens=16), requests_min=200)
 QUICK = Setup("bench", (1, 8), Shape(turns=3, system_chunks=16, document_chunks=16,
                                      question_chunks=1, answer_chunks=1, output_tokens=16))
 
@@ -205,11 +211,13 @@ def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
 
 
 def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
-          workdir: Path, prefill_cap: int = PREFILL_CAP) -> list[dict[str, Any]]:
+          workdir: Path, prefill_cap: int = PREFILL_CAP,
+          back_ahead: str = GUARD_POOL) -> list[dict[str, Any]]:
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
-    # one model on the node: its namespace may take the whole pool, backed as it fills (as
-    # the manifests run it)
-    guard = (GuardProcess(workdir, pool_bytes="2GiB", back_ahead=BACK_AHEAD, whole_pool=True)
+    # one model on the node: its namespace may take the whole pool (as the manifests run it)
+    backs = parse_size_bytes("--back-ahead", back_ahead, minimum=0) > 0
+    guard = (GuardProcess(workdir, pool_bytes=GUARD_POOL, whole_pool=True,
+                          back_ahead=back_ahead if backs else None)
              if case == "kvcr" else None)
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
@@ -221,9 +229,11 @@ def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
                 server.ttft([10 + n] * 64, max_tokens=2)
             threads = [int(s.environ("OMP_NUM_THREADS") or 0) for s in servers]
             caps = [s.argument("--long-prefill-token-threshold") for s in servers]
+            rows = _run_clients(case, setup, model, plans, servers, workdir)
+            held = guard.shmem_kib() if guard is not None else None
             return [{**row, "omp_threads_per_server": threads,
-                     "prefill_cap_per_server": [int(c) if c else None for c in caps]}
-                    for row in _run_clients(case, setup, model, plans, servers, workdir)]
+                     "prefill_cap_per_server": [int(c) if c else None for c in caps],
+                     "guard_pool_resident_kib": held} for row in rows]
         finally:
             for server in servers:
                 server.stop()
@@ -300,21 +310,27 @@ def chart(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-serve",
-                    prefill_cap: int = PREFILL_CAP) -> int:
+                    prefill_cap: int = PREFILL_CAP, back_ahead: str = GUARD_POOL) -> int:
     if prefill_cap < 0:
         raise SystemExit(f"--prefill-cap {prefill_cap}: give a token count (0: no cap)")
+    try:
+        parse_size_bytes("--back-ahead", back_ahead, minimum=0)
+    except ConfigError as exc:
+        raise SystemExit(f"{exc} (kvcr-guard's pool is {GUARD_POOL}: that much backs it all "
+                         "before the load, 0 backs nothing ahead)") from None
     setup = QUICK if quick else FULL
     model = str(build(Path(".cache/models") / f"tiny-{setup.preset}", setup.preset))
     plans = setup.plans()
     workdir = Path(tempfile.mkdtemp(prefix="kvcrserve", dir="/tmp"))
     cases = [c for c in CASES if prefill_cap or c != "vanilla-cap"]
     rows = [row for case in cases
-            for row in _case(case, setup, model, plans, workdir, prefill_cap)]
+            for row in _case(case, setup, model, plans, workdir, prefill_cap, back_ahead)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = _summary(rows, setup.levels)
     result = {"bench": "serve", "quick": quick, "model_preset": setup.preset,
-              "prefill_cap": prefill_cap or None,
+              "prefill_cap": prefill_cap or None, "guard_pool": GUARD_POOL,
+              "guard_back_ahead": back_ahead,
               "shape": asdict(setup.shape), "levels": list(setup.levels), "rows": rows,
               "summary": summary, "chart": str(chart(rows, out / "serve_p90_ttft.png")),
               "logs": str(workdir),
@@ -343,7 +359,8 @@ def _print_tables(result: dict[str, Any]) -> None:
           f"{shape['output_tokens']} output tokens; model preset '{result['model_preset']}'; "
           f"OpenMP threads per server {result['rows'][0]['omp_threads_per_server'][0]} on "
           f"{os.cpu_count()} cores; prefill cap (--long-prefill-token-threshold) "
-          f"{result['prefill_cap'] or 'none'} for {' and '.join(CAPPED)}")
+          f"{result['prefill_cap'] or 'none'} for {' and '.join(CAPPED)}; kvcr-guard's pool "
+          f"{result['guard_pool']}, --back-ahead {result['guard_back_ahead']}")
     print(f"{'case':11} {'conc':>4} {'reqs':>4} | {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
           f"{'new':>6} {'p90':>6} {'later':>6} {'p90':>6} ms | {'out tok/s':>9} | "
           f"{'prompt':>7} {'local':>7} {'conn.':>7} {'computed':>8} | {'p90 vs':>7}")
@@ -380,9 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-cap", type=int, default=PREFILL_CAP, metavar="TOKENS",
                     help="vLLM's --long-prefill-token-threshold for kvcr's engines (and a "
                     f"second vanilla case); 0: none (default {PREFILL_CAP})")
+    ap.add_argument("--back-ahead", default=GUARD_POOL, metavar="SIZE",
+                    help=f"kvcr-guard's --back-ahead (its pool is {GUARD_POOL}; default: all "
+                    "of it before the load, steady state; 256MiB: backed as it fills, a node's "
+                    "first fill)")
     args = ap.parse_args(argv)
     return run_serve_bench(quick=args.quick, as_json=args.json, out_dir=args.out,
-                           prefill_cap=args.prefill_cap)
+                           prefill_cap=args.prefill_cap, back_ahead=args.back_ahead)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from types import TracebackType
 import aiohttp
 from aiohttp import web
 
-from kvcr_bench.vllm_servers import free_port
+from kvcr_core.testing.ports import free_port
 
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection"}
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from kvcr_core.testing.ports import free_port
+
 # GOMP_SPINCOUNT: after each parallel region an engine's OpenMP threads spin-wait for the
 # next one; with the default count they hold both cores while the processes a step hands off
 # to (the other engine, kvcr-guard, the client) wait for one. A bounded spin is what
@@ -37,12 +39,6 @@ def metric_total(text: str, name: str) -> float:
     return total
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     """In the child: SIGTERM when the process that started it dies (Linux PR_SET_PDEATHSIG),
     so a killed demo or benchmark never leaves engines or daemons behind."""
@@ -50,6 +46,7 @@ def _die_with_parent() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
 
 class Process:
     """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL); it also
@@ -120,6 +117,13 @@ class GuardProcess(Process):
                 break
             time.sleep(0.05)
         raise RuntimeError(f"kvcr-guard did not start: {self.tail()}")
+
+    def shmem_kib(self) -> int:
+        """The shared memory the daemon holds resident (its pools' backed pages), KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+        raise RuntimeError("no RssShmem in the daemon's /proc status")
 
 
 class VllmServer(Process):

@@ -138,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
         max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
         limits=limits, namespace_idle_s=args.namespace_idle_s or None, prefault=args.prefault,
-        back_ahead_bytes=(parse_size_bytes("back_ahead", args.back_ahead)
+        back_ahead_bytes=(parse_size_bytes("--back-ahead", args.back_ahead)
                           if args.back_ahead is not None else 0),
         **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,

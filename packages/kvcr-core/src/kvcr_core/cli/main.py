@@ -39,6 +39,10 @@ def _build_parser() -> argparse.ArgumentParser:
             extra.add_argument("--prefill-cap", type=int, metavar="TOKENS",
                                help="vLLM's --long-prefill-token-threshold for kvcr's engines "
                                "and a second vanilla case (0: none; default 256)")
+            extra.add_argument("--back-ahead", metavar="SIZE",
+                               help="kvcr-guard's --back-ahead in kvcr's case (default: its "
+                               "whole pool before the load, steady state; 256MiB: backed as "
+                               "it fills, a node's first fill)")
         if name == "copy":
             extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                                help="where the KV tensors live (auto: cuda when available)")
@@ -104,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         options: dict[str, object] = (
             {"under_attack": True} if getattr(args, "under_attack", False) else {})
-        for option in ("device", "prefill_cap"):
+        for option in ("device", "prefill_cap", "back_ahead"):
             if getattr(args, option, None) is not None:
                 options[option] = getattr(args, option)
         result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)

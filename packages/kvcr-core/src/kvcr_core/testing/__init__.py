@@ -17,6 +17,7 @@ own tests and for anyone testing code built on it.
   that moves when the test says, for unit tests of engine adapters.
 - `mapped_kib(address)`: how much of a mapping this process's page tables hold (smaps Rss);
   `resident_kib(address, length)`: how much of it exists in memory, whoever backed it.
+- `free_port()`: a TCP port on 127.0.0.1 free a moment ago (test and benchmark servers).
 - `ThreadedCopyEngine`: a copy engine whose CPU copies complete later on a helper thread (held,
   released or failed by the test), so CPU tests check the ordering rules a GPU imposes.
 """
@@ -28,8 +29,9 @@ from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, Loopback
 from kvcr_core.testing.netns import network_namespaces
 from kvcr_core.testing.nodes import peer_node, stocked_source
 from kvcr_core.testing.pages import mapped_kib, resident_kib
+from kvcr_core.testing.ports import free_port
 
 __all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
-           "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "mapped_kib",
+           "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "free_port", "mapped_kib",
            "network_namespaces", "pattern_block", "peer_node", "random_keys", "resident_kib",
            "stocked_source"]
