@@ -212,13 +212,12 @@ def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
 
 def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
           workdir: Path, prefill_cap: int = PREFILL_CAP,
-          back_ahead: str = GUARD_POOL) -> list[dict[str, Any]]:
+          back_ahead: str | None = GUARD_POOL) -> list[dict[str, Any]]:
+    """`back_ahead`: kvcr-guard's --back-ahead (None: nothing backed ahead)."""
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
     # one model on the node: its namespace may take the whole pool (as the manifests run it)
-    backs = parse_size_bytes("--back-ahead", back_ahead, minimum=0) > 0
     guard = (GuardProcess(workdir, pool_bytes=GUARD_POOL, whole_pool=True,
-                          back_ahead=back_ahead if backs else None)
-             if case == "kvcr" else None)
+                          back_ahead=back_ahead) if case == "kvcr" else None)
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
                                 _connector(case, workdir, guard), max_num_seqs=16,
@@ -314,7 +313,7 @@ def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-
     if prefill_cap < 0:
         raise SystemExit(f"--prefill-cap {prefill_cap}: give a token count (0: no cap)")
     try:
-        parse_size_bytes("--back-ahead", back_ahead, minimum=0)
+        ahead = back_ahead if parse_size_bytes("--back-ahead", back_ahead, minimum=0) else None
     except ConfigError as exc:
         raise SystemExit(f"{exc} (kvcr-guard's pool is {GUARD_POOL}: that much backs it all "
                          "before the load, 0 backs nothing ahead)") from None
@@ -324,7 +323,7 @@ def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-
     workdir = Path(tempfile.mkdtemp(prefix="kvcrserve", dir="/tmp"))
     cases = [c for c in CASES if prefill_cap or c != "vanilla-cap"]
     rows = [row for case in cases
-            for row in _case(case, setup, model, plans, workdir, prefill_cap, back_ahead)]
+            for row in _case(case, setup, model, plans, workdir, prefill_cap, ahead)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = _summary(rows, setup.levels)
