@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcr_vllm import PREFILL_CAP_SCHEDULER
+
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 pytestmark = pytest.mark.slow
 
@@ -36,7 +38,8 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
     tokens on the engine that did not compute them, without a fault; the c8 ratios and
     target verdicts are in the JSON and the PNG chart is written; each server ran with its
     share of the cores' OpenMP threads (two engines on every core fight for them), and the
-    prefill cap reached exactly the engines of kvcr's case and of vanilla's second case; the
+    prefill cap, held by kvcr's rule (kvcr_vllm.prefill_cap, loaded by vLLM), reached exactly
+    the engines of kvcr's case and of vanilla's second case; the
     guard held its whole pool backed (the steady state the benchmark measures)."""
     out = subprocess.run([sys.executable, "-m", "kvcr_bench.serve_load", "--quick", "--json",
                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
@@ -57,6 +60,8 @@ def test_bench_serve_quick_serves_tokens_from_each_cache_and_charts(tmp_path: Pa
         assert row["omp_threads_per_server"] == [threads, threads]
         cap = 256 if case in ("vanilla-cap", "kvcr") else None
         assert row["prefill_cap_per_server"] == [cap, cap]
+        rule = PREFILL_CAP_SCHEDULER if cap else None  # vLLM loaded kvcr's cap rule in both
+        assert row["scheduler_cls_per_server"] == [rule, rule]
         assert row["ttft_p90_ms"] > 0 and row["output_throughput_tok_s"] > 0
         # first (cold) and later turns are told apart: the p90's make-up is visible
         assert 0 < row["first_turns_share"] < 1

@@ -11,7 +11,10 @@ most that many tokens per step, so a request whose prompt the cache serves is sc
 beside a cold prompt's prefill instead of behind all of it. It helps where most prompts are
 served from a cache and costs where they are not, so vanilla runs both ways and the ratios
 take vanilla's better figure at each level (the lower p90, the higher throughput): a ratio
-cannot improve by hurting the baseline. ExampleConnector serves nothing here (see docs) and
+cannot improve by hurting the baseline. Both capped cases hold the cap by kvcr's rule
+(`--cap-rule kvcr`, the default: kvcr_vllm.prefill_cap's scheduler, the cap held only while
+another request wants prefill tokens) or by vLLM's own (`--cap-rule vllm`: while any other
+request runs, decoding ones included). ExampleConnector serves nothing here (see docs) and
 runs as vLLM's default.
 kvcr-guard's 2 GiB pool is backed before the load (`--back-ahead` the pool's size, unless
 `--back-ahead` says otherwise): the measured part is steady state, and a serving node's pool
@@ -60,11 +63,13 @@ from kvcr_bench.vllm_servers import (
 )
 from kvcr_core.config import parse_size_bytes
 from kvcr_core.errors import ConfigError
+from kvcr_vllm import PREFILL_CAP_SCHEDULER
 
 CASES = ("vanilla", "vanilla-cap", "kvcr", "example")
 VANILLA = ("vanilla", "vanilla-cap")
 CAPPED = ("vanilla-cap", "kvcr")
 PREFILL_CAP = 256
+CAP_RULES = {"kvcr": PREFILL_CAP_SCHEDULER, "vllm": None}  # --cap-rule: --scheduler-cls
 GUARD_POOL = "2GiB"  # kvcr-guard's pool in kvcr's case; the model's namespace may take it whole
 TARGETS = {"p90_ttft_ratio_kvcr_vs_vanilla_c8": ("<=", 0.5),
            "p90_ttft_ratio_kvcr_vs_example_c8": ("<=", 0.7),
@@ -212,8 +217,10 @@ def _row(case: str, concurrency: int, turns: list[Turn], setup: Setup,
 
 def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
           workdir: Path, prefill_cap: int = PREFILL_CAP,
-          back_ahead: str | None = GUARD_POOL) -> list[dict[str, Any]]:
-    """`back_ahead`: kvcr-guard's --back-ahead (None: nothing backed ahead)."""
+          back_ahead: str | None = GUARD_POOL, cap_rule: str = "kvcr") -> list[dict[str, Any]]:
+    """`back_ahead`: kvcr-guard's --back-ahead (None: nothing backed ahead); `cap_rule`: a
+    CAP_RULES key."""
+    capped = case in CAPPED and prefill_cap > 0
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
     # one model on the node: its namespace may take the whole pool (as the manifests run it)
     guard = (GuardProcess(workdir, pool_bytes=GUARD_POOL, whole_pool=True,
@@ -222,16 +229,19 @@ def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
                                 _connector(case, workdir, guard), max_num_seqs=16,
                                 omp_threads=max(1, (os.cpu_count() or 2) // 2),
-                                prefill_cap=prefill_cap if case in CAPPED else None)
+                                prefill_cap=prefill_cap if capped else None,
+                                scheduler_cls=CAP_RULES[cap_rule] if capped else None)
         try:
             for n, server in enumerate(servers):  # a fresh engine's first request is slow
                 server.ttft([10 + n] * 64, max_tokens=2)
             threads = [int(s.environ("OMP_NUM_THREADS") or 0) for s in servers]
             caps = [s.argument("--long-prefill-token-threshold") for s in servers]
+            schedulers = [s.argument("--scheduler-cls") for s in servers]
             rows = _run_clients(case, setup, model, plans, servers, workdir)
             held = guard.shmem_kib() if guard is not None else None
             return [{**row, "omp_threads_per_server": threads,
                      "prefill_cap_per_server": [int(c) if c else None for c in caps],
+                     "scheduler_cls_per_server": schedulers,
                      "guard_pool_resident_kib": held} for row in rows]
         finally:
             for server in servers:
@@ -309,7 +319,8 @@ def chart(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-serve",
-                    prefill_cap: int = PREFILL_CAP, back_ahead: str = GUARD_POOL) -> int:
+                    prefill_cap: int = PREFILL_CAP, back_ahead: str = GUARD_POOL,
+                    cap_rule: str = "kvcr") -> int:
     if prefill_cap < 0:
         raise SystemExit(f"--prefill-cap {prefill_cap}: give a token count (0: no cap)")
     try:
@@ -323,12 +334,13 @@ def run_serve_bench(*, quick: bool, as_json: bool, out_dir: str = ".cache/bench-
     workdir = Path(tempfile.mkdtemp(prefix="kvcrserve", dir="/tmp"))
     cases = [c for c in CASES if prefill_cap or c != "vanilla-cap"]
     rows = [row for case in cases
-            for row in _case(case, setup, model, plans, workdir, prefill_cap, ahead)]
+            for row in _case(case, setup, model, plans, workdir, prefill_cap, ahead, cap_rule)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = _summary(rows, setup.levels)
     result = {"bench": "serve", "quick": quick, "model_preset": setup.preset,
-              "prefill_cap": prefill_cap or None, "guard_pool": GUARD_POOL,
+              "prefill_cap": prefill_cap or None, "cap_rule": cap_rule if prefill_cap else None,
+              "guard_pool": GUARD_POOL,
               "guard_back_ahead": back_ahead,
               "shape": asdict(setup.shape), "levels": list(setup.levels), "rows": rows,
               "summary": summary, "chart": str(chart(rows, out / "serve_p90_ttft.png")),
@@ -350,6 +362,7 @@ def _ms(value: float | None) -> str:
 def _print_tables(result: dict[str, Any]) -> None:
     shape, summary = result["shape"], result["summary"]
     k = shape["chunk_tokens"]
+    rule = f" (held by {result['cap_rule']}'s rule)" if result["cap_rule"] else ""
     print(f"kvcr bench serve{' --quick' if result['quick'] else ''}: vllm bench serve "
           f"against two vLLM servers per case; conversations of {shape['turns']} turns, "
           f"prompts {shape['system_chunks'] * k} tokens shared + "
@@ -358,7 +371,7 @@ def _print_tables(result: dict[str, Any]) -> None:
           f"{shape['output_tokens']} output tokens; model preset '{result['model_preset']}'; "
           f"OpenMP threads per server {result['rows'][0]['omp_threads_per_server'][0]} on "
           f"{os.cpu_count()} cores; prefill cap (--long-prefill-token-threshold) "
-          f"{result['prefill_cap'] or 'none'} for {' and '.join(CAPPED)}; kvcr-guard's pool "
+          f"{result['prefill_cap'] or 'none'} for {' and '.join(CAPPED)}{rule}; kvcr-guard's pool "
           f"{result['guard_pool']}, --back-ahead {result['guard_back_ahead']}")
     print(f"{'case':11} {'conc':>4} {'reqs':>4} | {'TTFT p50':>8} {'p90':>6} {'p99':>6} "
           f"{'new':>6} {'p90':>6} {'later':>6} {'p90':>6} ms | {'out tok/s':>9} | "
@@ -400,9 +413,13 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"kvcr-guard's --back-ahead (its pool is {GUARD_POOL}; default: all "
                     "of it before the load, steady state; 256MiB: backed as it fills, a node's "
                     "first fill)")
+    ap.add_argument("--cap-rule", choices=sorted(CAP_RULES), default="kvcr",
+                    help="when the capped cases hold the cap: kvcr (default; only while "
+                    "another request wants prefill tokens) or vllm (while any other runs)")
     args = ap.parse_args(argv)
     return run_serve_bench(quick=args.quick, as_json=args.json, out_dir=args.out,
-                           prefill_cap=args.prefill_cap, back_ahead=args.back_ahead)
+                           prefill_cap=args.prefill_cap, back_ahead=args.back_ahead,
+                           cap_rule=args.cap_rule)
 
 
 if __name__ == "__main__":

@@ -132,10 +132,11 @@ class VllmServer(Process):
     def __init__(self, model: str, workdir: Path, name: str,
                  kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192,
                  max_num_seqs: int = 4, omp_threads: int | None = None,
-                 prefill_cap: int | None = None) -> None:
+                 prefill_cap: int | None = None, scheduler_cls: str | None = None) -> None:
         """`omp_threads`: the engine's OpenMP threads (CPU_ENV's two if None).
         `prefill_cap`: vLLM's `--long-prefill-token-threshold` (a long prefill's tokens per
-        step while other requests wait; vLLM's default, none, if None)."""
+        step while other requests wait; vLLM's default, none, if None). `scheduler_cls`:
+        vLLM's `--scheduler-cls` (vLLM's own scheduler if None)."""
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
@@ -148,6 +149,8 @@ class VllmServer(Process):
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         if prefill_cap is not None:
             args += ["--long-prefill-token-threshold", str(prefill_cap)]
+        if scheduler_cls is not None:
+            args += ["--scheduler-cls", scheduler_cls]
         threads = {} if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}
         super().__init__(args, workdir / f"{name}.log", {**CPU_ENV, **threads})
 
@@ -188,12 +191,13 @@ class VllmServer(Process):
 def start_servers(model: str, workdir: Path, names: list[str],
                   kv_transfer_config: dict[str, Any] | None,
                   max_num_seqs: int = 4, omp_threads: int | None = None,
-                  prefill_cap: int | None = None) -> list[VllmServer]:
+                  prefill_cap: int | None = None,
+                  scheduler_cls: str | None = None) -> list[VllmServer]:
     """One server per name, all starting at once, with the model's full context; all ready,
     or all stopped and the error raised."""
     max_len = int(json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"])
     servers = [VllmServer(model, workdir, name, kv_transfer_config, max_len, max_num_seqs,
-                          omp_threads, prefill_cap) for name in names]
+                          omp_threads, prefill_cap, scheduler_cls) for name in names]
     try:
         for server in servers:
             server.wait_ready()

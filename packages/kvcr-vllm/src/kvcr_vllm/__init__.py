@@ -9,4 +9,7 @@ from kvcr_vllm._version import __version__
 SUPPORTED_VLLM = ("0.32",)
 """vLLM minor versions this connector is tested against."""
 
-__all__ = ["SUPPORTED_VLLM", "__version__"]
+PREFILL_CAP_SCHEDULER = "kvcr_vllm.prefill_cap.PrefillCapScheduler"
+"""vLLM's `--scheduler-cls` for kvcr's prefill-cap rule (kvcr_vllm.prefill_cap)."""
+
+__all__ = ["PREFILL_CAP_SCHEDULER", "SUPPORTED_VLLM", "__version__"]

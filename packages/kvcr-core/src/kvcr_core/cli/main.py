@@ -43,6 +43,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                help="kvcr-guard's --back-ahead in kvcr's case (default: its "
                                "whole pool before the load, steady state; 256MiB: backed as "
                                "it fills, a node's first fill)")
+            extra.add_argument("--cap-rule", choices=("kvcr", "vllm"),
+                               help="when the capped engines hold the cap: kvcr (default; "
+                               "only while another request wants prefill tokens) or vllm "
+                               "(while any other request runs)")
         if name == "copy":
             extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                                help="where the KV tensors live (auto: cuda when available)")
@@ -108,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         options: dict[str, object] = (
             {"under_attack": True} if getattr(args, "under_attack", False) else {})
-        for option in ("device", "prefill_cap", "back_ahead"):
+        for option in ("device", "prefill_cap", "back_ahead", "cap_rule"):
             if getattr(args, option, None) is not None:
                 options[option] = getattr(args, option)
         result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)
