@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
 
+
 def cap_for_step(cap: int, waiting: int, prefilling: int) -> int:
     """The prefill cap for the next step: `cap` while two or more requests want prefill tokens
     (`waiting` not yet running, `prefilling` running with prompt tokens left), 0 (none)
@@ -63,6 +64,13 @@ def checked_cap(vllm_config: VllmConfig, version: str = vllm.__version__) -> int
     return cap
 
 
+def _config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> VllmConfig:
+    """vLLM's scheduler constructor arguments' `vllm_config` (by keyword, as EngineCore
+    passes it, or first)."""
+    config: VllmConfig = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    return config
+
+
 class PrefillCapScheduler:
     """See the module docstring. `PrefillCapScheduler(...)` returns a `_CappedScheduler` or an
     `_AsyncCappedScheduler` (both instances of this class), as vLLM's mode asks."""
@@ -73,14 +81,12 @@ class PrefillCapScheduler:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PrefillCapScheduler:
         if cls is PrefillCapScheduler:
-            config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-            cls = (_AsyncCappedScheduler if config.scheduler_config.async_scheduling
+            cls = (_AsyncCappedScheduler if _config(args, kwargs).scheduler_config.async_scheduling
                    else _CappedScheduler)
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        self._cap = checked_cap(config)
+        self._cap = checked_cap(_config(args, kwargs))
         super().__init__(*args, **kwargs)
         self.scheduler_config = copy.copy(self.scheduler_config)
 

@@ -17,6 +17,21 @@ from collections.abc import Sequence
 from kvcr_core._version import __version__
 
 
+def _serve_options(parser: argparse.ArgumentParser) -> None:
+    """`kvcr bench serve`'s own options (kvcr-bench's serve_load has the defaults)."""
+    parser.add_argument("--prefill-cap", type=int, metavar="TOKENS",
+                        help="vLLM's --long-prefill-token-threshold for kvcr's engines and a "
+                        "second vanilla case (0: none; default 256)")
+    parser.add_argument("--back-ahead", metavar="SIZE",
+                        help="kvcr-guard's --back-ahead in kvcr's case (default: its whole "
+                        "pool before the load, steady state; 256MiB: backed as it fills, a "
+                        "node's first fill)")
+    parser.add_argument("--cap-rule", choices=("kvcr", "vllm"),
+                        help="when the capped engines hold the cap: kvcr (default; only while "
+                        "another request wants prefill tokens) or vllm (while any other "
+                        "request runs)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcr", description="kvcr KV Cache Runner tools")
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
@@ -36,17 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                help="a legitimate engine's round trip while another client "
                                "misbehaves, one way at a time")
         if name == "serve":
-            extra.add_argument("--prefill-cap", type=int, metavar="TOKENS",
-                               help="vLLM's --long-prefill-token-threshold for kvcr's engines "
-                               "and a second vanilla case (0: none; default 256)")
-            extra.add_argument("--back-ahead", metavar="SIZE",
-                               help="kvcr-guard's --back-ahead in kvcr's case (default: its "
-                               "whole pool before the load, steady state; 256MiB: backed as "
-                               "it fills, a node's first fill)")
-            extra.add_argument("--cap-rule", choices=("kvcr", "vllm"),
-                               help="when the capped engines hold the cap: kvcr (default; "
-                               "only while another request wants prefill tokens) or vllm "
-                               "(while any other request runs)")
+            _serve_options(extra)
         if name == "copy":
             extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                                help="where the KV tensors live (auto: cuda when available)")
