@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcr_core.attach import AttachClient, Mode, probe_status
-from kvcr_vllm import SUPPORTED_VLLM
+from kvcr_vllm import SUPPORTED_VLLM_TEXT, supports_vllm
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
 from kvcr_vllm.router_tier import guard_endpoint_problem
@@ -55,10 +55,9 @@ STARTUP_ATTACH_TIMEOUT_S = 60.0  # a Runner opening (and prefaulting) a large na
 
 
 def check_vllm_version() -> None:
-    minor = ".".join(vllm.__version__.split(".")[:2])
-    if minor not in SUPPORTED_VLLM:
+    if not supports_vllm(vllm.__version__):
         raise RuntimeError(
-            f"kvcr-vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; this is "
+            f"kvcr-vllm supports vLLM {SUPPORTED_VLLM_TEXT}; this is "
             f"vLLM {vllm.__version__}. Install a matching kvcr-vllm, or remove KVCRConnector "
             "from --kv-transfer-config.")
 

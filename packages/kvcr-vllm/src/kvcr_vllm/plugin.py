@@ -26,13 +26,12 @@ def register() -> None:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcr_vllm import SUPPORTED_VLLM
+    from kvcr_vllm import supports_vllm
 
     follow_vllm_logging()
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
-    minor = ".".join(vllm.__version__.split(".")[:2])
-    module = "kvcr_vllm.connector" if minor in SUPPORTED_VLLM else "kvcr_vllm.unsupported"
+    module = "kvcr_vllm.connector" if supports_vllm(vllm.__version__) else "kvcr_vllm.unsupported"
     KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
 
 

@@ -15,12 +15,12 @@ kvcr_vllm.prefill_cap.PrefillCapScheduler`. One name for both of vLLM's scheduli
 constructing it gives the variant built on vLLM's AsyncScheduler when the engine schedules
 asynchronously and on its Scheduler otherwise. An engine without a cap refuses to start (the
 class would change nothing) with the fix in the error, and so does a vLLM outside the versions
-kvcr-vllm is tested with. vLLM warns about any scheduler class
-outside vLLM ("interface is not public"): this one overrides `schedule()` only and reads the
-waiting queue's length, the running requests' computed and prompt token counts, and the cap.
-It keeps a copy of the engine's SchedulerConfig, so the cap it sets per step reaches no other
-holder of that config. Works without kvcr's connector: it is a scheduling policy (measured in
-docs/vllm.md, "A prefill cap for kvcr's engines").
+kvcr-vllm is tested with. vLLM warns about any scheduler class outside vLLM ("interface is not
+public"): this one overrides `schedule()` only and reads the waiting queue's length, the
+running requests' computed and prompt token counts, and the cap. It keeps a copy of the
+engine's SchedulerConfig, so the cap it sets per step reaches no other holder of that config.
+Works without kvcr's connector: it is a scheduling policy (docs/vllm.md, "Cache hits beside
+cold prompts"; measured under "kvcr's rule for the cap").
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvcr_vllm import PREFILL_CAP_SCHEDULER, SUPPORTED_VLLM
+from kvcr_vllm import PREFILL_CAP_SCHEDULER, SUPPORTED_VLLM_TEXT, supports_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,10 +49,10 @@ def cap_for_step(cap: int, waiting: int, prefilling: int) -> int:
 def checked_cap(vllm_config: VllmConfig, version: str = vllm.__version__) -> int:
     """The engine's cap; a clear error when it has none, or when vLLM is not a version this
     scheduler is tested against (it overrides a method of vLLM's non-public interface)."""
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VLLM:
+    if not supports_vllm(version):
         raise ValueError(
             f"--scheduler-cls {PREFILL_CAP_SCHEDULER} is tested with vLLM "
-            f"{', '.join(SUPPORTED_VLLM)}.x and this is vLLM {version}: drop --scheduler-cls "
+            f"{SUPPORTED_VLLM_TEXT} and this is vLLM {version}: drop --scheduler-cls "
             "(vLLM's own prefill cap rule applies) or install a kvcr-vllm that supports it")
     cap = vllm_config.scheduler_config.long_prefill_token_threshold
     if cap <= 0:

@@ -11,10 +11,10 @@ class KVCRConnector:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import vllm
 
-        from kvcr_vllm import SUPPORTED_VLLM
+        from kvcr_vllm import SUPPORTED_VLLM_TEXT
 
         raise RuntimeError(
-            f"kvcr-vllm {_version()} supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)};"
+            f"kvcr-vllm {_version()} supports vLLM {SUPPORTED_VLLM_TEXT};"
             f" this is vLLM {vllm.__version__}. Install the kvcr-vllm release for this vLLM, or "
             "remove KVCRConnector from --kv-transfer-config.")
 
