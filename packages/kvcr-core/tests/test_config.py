@@ -17,7 +17,6 @@ from kvcr_core.config import (
     FIELD_NAMES,
     KVCRConfig,
     MemoryBacking,
-    describe_config,
     env_var_name,
     load_config,
     parse_count,
@@ -49,7 +48,6 @@ def test_defaults() -> None:
         "max_hint_actions": 64,
         "max_hint_hashes": 65536,
         "max_hint_bytes": MiB,
-        "router_hash_scheme": "kvcr-v1",
         "log_level": "INFO",
         "verify_loads": False,
     }
@@ -146,8 +144,6 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("max_hint_hashes", "1e6"),
     ("max_hint_bytes", 0),
     ("max_hint_bytes", "1 MiB/s"),
-    ("router_hash_scheme", "kvcr-v2"),
-    ("router_hash_scheme", None),
     ("log_level", "verbose"),
     ("log_level", 10),
     ("verify_loads", "maybe"),
@@ -173,8 +169,8 @@ def test_every_field_has_an_invalid_case() -> None:
 
 def test_error_lists_valid_choices() -> None:
     """Choice errors tell the user the valid values, with a close match suggested."""
-    with pytest.raises(ConfigError, match="kvcr-v1"):
-        KVCRConfig(router_hash_scheme="kvcr-v2")
+    with pytest.raises(ConfigError, match="anonymous"):
+        KVCRConfig(memory_backing="anonymus")
     with pytest.raises(ConfigError, match=r"did you mean 'INFO'"):
         KVCRConfig(log_level="INFOO")
     with pytest.raises(ConfigError, match=r"did you mean 'lru'"):
@@ -443,18 +439,6 @@ def test_env_none_reads_process_environment() -> None:
     except ConfigError as err:
         actual = str(err)
     assert actual == expected
-
-
-def test_describe_config_reports_sources(tmp_path: Path) -> None:
-    """describe_config says which layer set each field, for `kvcr config check`."""
-    path = write(tmp_path / "kvcr.json", '{"max_leases": 5}')
-    rows = describe_config(path, env={"KVCR_LOG_LEVEL": "debug"}, overrides={"max_hint_actions": 8})
-    by_field = {field: (value, source) for field, value, source in rows}
-    assert [field for field, _, _ in rows] == list(FIELD_NAMES)
-    assert by_field["max_leases"] == (5, f"file {path}")
-    assert by_field["log_level"] == ("DEBUG", "environment KVCR_LOG_LEVEL")
-    assert by_field["max_hint_actions"] == (8, "override")
-    assert by_field["pool_bytes"] == (GiB, "default")
 
 
 def test_example_file_loads_and_covers_every_field() -> None:

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core import hints
+from kvcr_core.endpoint import Endpoint
 from kvcr_core.errors import ConfigError, HintRejected, HintRejectReason
 from kvcr_core.hints import (
     HINT_ACCEPTED,
-    Endpoint,
     FetchAction,
     FetchMode,
     HintIntake,

@@ -30,7 +30,7 @@ from kvcr_core.peers import (
     PeerTLS,
     PeerTransport,
     ReadTransport,
-    Transport,
+    TransportKind,
 )
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.nixl_engine import NixlEngine, nixl_installed
@@ -57,14 +57,14 @@ class Wire:
     """One transport under test: its kind, and the servers, clients and fake sources that use
     it (one transport object per test, shared by both ends: the loopback needs that)."""
 
-    def __init__(self, kind: Transport) -> None:
+    def __init__(self, kind: TransportKind) -> None:
         self.kind = kind
         self.transport: PeerTransport | None = None
-        if kind is Transport.NIXL:
+        if kind is TransportKind.NIXL:
             engine = NixlEngine.shared()
             assert engine.wait_ready(120), f"nixl is installed but did not start: {engine.failure}"
             self.transport = NixlTransport(engine)
-        elif kind is Transport.LOOPBACK:
+        elif kind is TransportKind.LOOPBACK:
             self.transport = LoopbackTransport()
 
     @property
@@ -86,7 +86,7 @@ class Wire:
         return FakePeerSource(SECRET, BLOCK, behaviour, reads)
 
     def across_processes(self) -> None:
-        if self.kind is Transport.LOOPBACK:
+        if self.kind is TransportKind.LOOPBACK:
             pytest.skip("the loopback transport is in-process only")
 
 
@@ -94,7 +94,7 @@ class Wire:
     not nixl_installed(), reason=NO_NIXL)), "loopback"])
 def transport(request: pytest.FixtureRequest) -> Wire:
     """The transport a contract test runs over."""
-    return Wire(Transport(request.param))
+    return Wire(TransportKind(request.param))
 
 
 node = partial(peer_node, NS, BLOCK)
@@ -246,7 +246,7 @@ def test_silent_peer_costs_at_most_the_deadline(fake, transport) -> None:
     result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=1.0)
     assert time.monotonic() - start < 2.0
     # TCP: the first block came whole before the silence; NIXL: nothing was offered yet
-    arrived = 1 if transport.kind is Transport.TCP else 0
+    arrived = 1 if transport.kind is TransportKind.TCP else 0
     assert result.statuses == (FetchStatus.OK,) * arrived + (FetchStatus.TIMEOUT,) * (4 - arrived)
     assert store.contains(keys) == [True] * arrived + [False] * (4 - arrived)
     assert store.index.filling_blocks == 0
@@ -258,7 +258,7 @@ def test_peer_killed_mid_transfer_fails_the_rest(fake, transport) -> None:
     _, store, metrics = node()
     keys = random_keys(3, seed=5)
     result = client(store, metrics, transport).fetch(source.endpoint, keys, deadline_s=5)
-    arrived = 1 if transport.kind is Transport.TCP else 0
+    arrived = 1 if transport.kind is TransportKind.TCP else 0
     assert result.statuses == ((FetchStatus.OK,) * arrived
                                + (FetchStatus.UNREACHABLE,) * (3 - arrived))
     assert store.contains(keys) == [True] * arrived + [False] * (3 - arrived)
@@ -329,7 +329,7 @@ def netns_pair(transport: Wire) -> Iterator[tuple[str, str, str]]:
     """Two network namespaces joined by a veth pair, made and removed here: names and subnet
     per transport, since parallel test workers may run both at once."""
     transport.across_processes()
-    tag, subnet = {Transport.TCP: ("pt", 7), Transport.NIXL: ("pn", 8)}[transport.kind]
+    tag, subnet = {TransportKind.TCP: ("pt", 7), TransportKind.NIXL: ("pn", 8)}[transport.kind]
     with network_namespaces(tag, subnet) as pair:
         if pair is None:
             pytest.skip("network namespaces need root and iproute2")
@@ -341,7 +341,7 @@ def test_two_network_namespaces_transfer_1000_blocks_exactly(netns_pair, transpo
     """Two runners on two hosts (network namespaces): 1,000 blocks arrive byte-exactly (NIXL
     forced onto the veth with UCX_TLS=tcp, as between hosts)."""
     a, b, address = netns_pair
-    ucx = transport.kind is Transport.NIXL
+    ucx = transport.kind is TransportKind.NIXL
     server = run_node("serve", NODE_SECRET, address, "1000", str(BLOCK), transport.value,
                       prefix=["ip", "netns", "exec", a],
                       env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "kvcrpnva"} if ucx else None)
@@ -395,7 +395,7 @@ def test_tls_peers_transfer_and_plain_clients_are_turned_away(tmp_path: Path) ->
     result = PeerClient(dest, SECRET, dmetrics, tls=tls, nixl=True).fetch(server.endpoint, keys,
                                                                           10)
     assert result.statuses == (FetchStatus.OK,) * 5
-    assert result.transport is Transport.TCP  # NIXL would carry the bytes outside TLS
+    assert result.transport is TransportKind.TCP  # NIXL would carry the bytes outside TLS
     assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     _, plain, pmetrics = node()
     bad = PeerClient(plain, SECRET, pmetrics, nixl=False).fetch(server.endpoint, keys,

@@ -95,7 +95,7 @@ def test_before_authentication_a_frame_is_small_and_the_secret_is_never_tested(s
     big = connect(server)
     big.sendall((1 << 20).to_bytes(4, "little"))
     reply = pp.decode_to_client(recv_frame(big)[0])
-    assert isinstance(reply, pp.Refused) and reply.reason is pp.RefuseReason.MALFORMED
+    assert isinstance(reply, pp.Refused) and reply.reason is pp.PeerRefusal.MALFORMED
     big.close()
 
     guesser = connect(server)

@@ -20,7 +20,7 @@ from kvcr_core.peers import (
     PeerClient,
     PeerSecret,
     PeerServer,
-    Transport,
+    TransportKind,
 )
 from kvcr_core.peers.nixl_engine import (
     NixlEngine,
@@ -57,7 +57,7 @@ def test_nixl_is_chosen_only_when_both_sides_have_it(client_nixl, server_nixl) -
     result = peer.fetch(server.endpoint, keys, deadline_s=10)
     both = client_nixl and server_nixl
     assert result.statuses == (FetchStatus.OK,) * 4
-    assert result.transport is (Transport.NIXL if both else Transport.TCP)
+    assert result.transport is (TransportKind.NIXL if both else TransportKind.TCP)
     assert dest.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     assert metrics.connections == {"tcp": 0 if both else 1, "nixl": 1 if both else 0}
     peer.close()
@@ -76,15 +76,15 @@ def test_a_pooled_tcp_connection_moves_to_nixl_once_both_sides_have_it() -> None
     reads = NixlTransport()
     peer = PeerClient(dest, SECRET, dmetrics, transport=reads)
     reads.offer_later(server.endpoint, 0.3)  # as if NIXL were starting
-    assert peer.fetch(server.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
+    assert peer.fetch(server.endpoint, keys[:2], deadline_s=10).transport is TransportKind.TCP
     time.sleep(0.3)
-    assert peer.fetch(server.endpoint, keys[2:], deadline_s=10).transport is Transport.NIXL
+    assert peer.fetch(server.endpoint, keys[2:], deadline_s=10).transport is TransportKind.NIXL
     assert metrics.connections == {"tcp": 1, "nixl": 1}
     tcp_only = PeerServer(runner, SECRET, metrics, nixl=False)
     with dest.lock:
         dest.index.discard(keys)
-    assert peer.fetch(tcp_only.endpoint, keys[:2], deadline_s=10).transport is Transport.TCP
-    assert peer.fetch(tcp_only.endpoint, keys[2:], deadline_s=10).transport is Transport.TCP
+    assert peer.fetch(tcp_only.endpoint, keys[:2], deadline_s=10).transport is TransportKind.TCP
+    assert peer.fetch(tcp_only.endpoint, keys[2:], deadline_s=10).transport is TransportKind.TCP
     assert metrics.connections == {"tcp": 2, "nixl": 1}  # the TCP answer was remembered
     peer.close()
     tcp_only.close()
@@ -121,7 +121,7 @@ def test_pools_are_registered_once_and_released_with_their_last_user(engine) -> 
     local = PeerClient(store, SECRET, metrics, nixl=True)  # this pool is also a fetch target
     _, dest, dmetrics = node()
     remote = PeerClient(dest, SECRET, dmetrics, nixl=True)
-    assert remote.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
+    assert remote.fetch(server.endpoint, keys, deadline_s=10).transport is TransportKind.NIXL
     assert users() == 1
     assert local.preferred is not None  # registers the same pool as a fetch target:
     assert local.preferred.usable(server.endpoint, store)
@@ -142,7 +142,7 @@ def test_prepared_slot_lists_go_with_their_region(engine) -> None:
     listed = (pool.region.address, pool.stride_bytes, pool.slot_bytes, pool.capacity_slots)
     for _ in range(2):  # the second client registers and prepares the same pool afresh
         client = PeerClient(store, SECRET, metrics, nixl=True)
-        assert client.fetch(server.endpoint, keys, deadline_s=10).transport is Transport.NIXL
+        assert client.fetch(server.endpoint, keys, deadline_s=10).transport is TransportKind.NIXL
         assert listed in engine._slot_lists
         client.close()
         assert listed not in engine._slot_lists
@@ -211,6 +211,6 @@ def test_a_runner_without_nixl_peers_still_serves_its_own_nixl_clients() -> None
     store.store(keys, [pattern_block(k, BLOCK) for k in keys])
     result = PeerClient(dest, SECRET, dmetrics, nixl=True).fetch(server.endpoint, keys,
                                                            deadline_s=10)
-    assert result.transport is Transport.TCP
+    assert result.transport is TransportKind.TCP
     assert regions.get(region, (0,))[0] == before
     server.close()

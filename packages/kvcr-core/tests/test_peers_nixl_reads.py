@@ -17,7 +17,7 @@ import pytest
 
 from kvcr_core import testing
 from kvcr_core.framing import frame, recv_frame
-from kvcr_core.peers import FetchStatus, NixlTransport, PeerClient, PeerSecret, Transport
+from kvcr_core.peers import FetchStatus, NixlTransport, PeerClient, PeerSecret, TransportKind
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import SourceConnection, authenticate
 from kvcr_core.peers.nixl_engine import NixlEngine, NixlRead, nixl_installed
@@ -79,7 +79,7 @@ def test_a_fetch_of_many_reads_checks_every_block(one_block_reads) -> None:
     keys = random_keys(3, seed=23)
     client = PeerClient(store, SECRET, metrics, transport=one_block_reads())
     result = client.fetch(source.endpoint, keys, deadline_s=10)
-    assert result.transport is Transport.NIXL
+    assert result.transport is TransportKind.NIXL
     assert result.statuses == (FetchStatus.OK, FetchStatus.CHECKSUM, FetchStatus.OK)
     assert store.contains(keys) == [True, False, True]
     assert metrics.fetched["checksum"] == 1 and store.index.filling_blocks == 0
@@ -115,7 +115,7 @@ def test_a_fetch_of_many_reads_is_byte_exact_and_cancellable(
 
     with on_third_start(monkeypatch, slow_read, every=True):
         whole = client.fetch(server.endpoint, keys[:20], deadline_s=10)
-    assert whole.fetched == 20 and whole.transport is Transport.NIXL
+    assert whole.fetched == 20 and whole.transport is TransportKind.NIXL
     assert readers == ({"kvcr-lane-0", "kvcr-lane-1"} if parallel  # both lanes READ
                        else {threading.current_thread().name})
     assert store.load(keys[:20]) == [pattern_block(k, BLOCK) for k in keys[:20]]
@@ -155,7 +155,7 @@ def test_reads_of_shrinking_size_check_every_block_where_it_lands(engine: NixlEn
     client = PeerClient(store, SECRET, metrics, transport=NixlTransport(
         engine, largest_read_bytes=8 * BLOCK, last_read_bytes=BLOCK))
     result = client.fetch(server.endpoint, keys, deadline_s=10)
-    assert result.transport is Transport.NIXL
+    assert result.transport is TransportKind.NIXL
     assert result.statuses == tuple(FetchStatus.CHECKSUM if i in bad else FetchStatus.OK
                                     for i in range(30))
     good = [k for i, k in enumerate(keys) if i not in bad]
@@ -306,8 +306,8 @@ def test_a_source_drives_progress_for_a_reader_unless_its_reads_copy_inline(
     monkeypatch.setattr(NixlTransport, "next_frame", spy)
     host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
-    ready = authenticate(sock, SECRET, NS, BLOCK, server.endpoint, (Transport.NIXL.value,))
-    assert ready.transport is Transport.NIXL
+    ready = authenticate(sock, SECRET, NS, BLOCK, server.endpoint, (TransportKind.NIXL.value,))
+    assert ready.transport is TransportKind.NIXL
     older = msgspec.msgpack.encode(["fetch_done", 4])  # FetchDone as sent before `inline`
     for seq, inline in enumerate([True, False, True, None], start=1):
         sock.sendall(pp.encode(pp.Fetch(seq, keys)))

@@ -37,7 +37,6 @@ CONFIG_FILE_SECTION = "kvcr"
 
 CONFIG_FILE_SUFFIXES = (".json", ".yaml", ".yml")
 EVICTION_POLICIES = ("lru", "arc")
-ROUTER_HASH_SCHEMES = ("kvcr-v1",)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MIN_POOL_BYTES = 4096
 MAX_HINT_ACTIONS_LIMIT = 64
@@ -82,8 +81,6 @@ class KVCRConfig:
     """Entries accepted in one fetch action's `block_hashes` (each action on its own)."""
     max_hint_bytes: int = 1 << 20
     """Largest encoded KV hint accepted."""
-    router_hash_scheme: str = "kvcr-v1"
-    """Projection routers use for block hashes in hints (docs/keys.md)."""
     log_level: str = "INFO"
     """Threshold for kvcr's loggers."""
     verify_loads: bool = False
@@ -116,9 +113,6 @@ class KVCRConfig:
             ),
             "max_hint_hashes": parse_count("max_hint_hashes", self.max_hint_hashes),
             "max_hint_bytes": parse_size_bytes("max_hint_bytes", self.max_hint_bytes),
-            "router_hash_scheme": _parse_choice(
-                "router_hash_scheme", self.router_hash_scheme, ROUTER_HASH_SCHEMES
-            ),
             "log_level": _parse_choice("log_level", self.log_level, LOG_LEVELS, upper=True),
             "verify_loads": parse_bool("verify_loads", self.verify_loads),
         }
@@ -210,17 +204,6 @@ def load_config(
 ) -> KVCRConfig:
     """Resolve defaults < file at `path` < `env` (None: os.environ) < `overrides`."""
     return _resolve(path, env, overrides)[0]
-
-
-def describe_config(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> list[tuple[str, Any, str]]:
-    """Like `load_config`, as (field, JSON-safe value, source) rows for `kvcr config check`."""
-    config, sources = _resolve(path, env, overrides)
-    return [(name, value, sources.get(name, "default")) for name, value in config.to_dict().items()]
 
 
 def _resolve(

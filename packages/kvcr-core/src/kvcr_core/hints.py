@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import ipaddress
 import json
 import logging
 import math
-import re
-import socket
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
+from kvcr_core.endpoint import Endpoint
 from kvcr_core.errors import ConfigError, HintRejected, HintRejectReason
 from kvcr_core.types import RouterHash
 
@@ -54,14 +52,10 @@ _R = HintRejectReason
 _MISSING: Any = object()
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
-_MAX_ENDPOINT_CHARS = 255
 _MAX_JSON_INT_DIGITS = 40  # a 64-bit value needs at most 20; longer is refused before int()
 _OPAQUE_MAX_DEPTH = 32
 _OPAQUE_MAX_VALUES = 65536
 _WARN_ONCE_MAX = 64
-_ENDPOINT_RE = re.compile(
-    r"tcp://(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]{1,253})):(?P<port>[0-9]{1,5})")
-_LABEL_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 _HASHES_FIX = "send a non-empty list of unsigned 64-bit integers"
 
 
@@ -97,49 +91,6 @@ DEFAULT_LIMITS = HintLimits()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A plain TCP endpoint named by a hint. `str()` is the canonical `tcp://host:port`."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
-
-    @classmethod
-    def parse(cls, text: object, where: str = "source_control_endpoint") -> Endpoint:
-        """Parse `tcp://HOST:PORT`; anything else is HintRejected(BAD_ENDPOINT)."""
-        host: str | None = None
-        port = 0
-        if isinstance(text, str) and len(text) <= _MAX_ENDPOINT_CHARS:
-            match = _ENDPOINT_RE.fullmatch(text)
-            port = int(match["port"]) if match else 0
-            if match and 1 <= port <= 65535:
-                host = _canonical_host(match["v6"], match["name"])
-        if host is None:
-            raise _bad(_R.BAD_ENDPOINT, where, text, "send 'tcp://HOST:PORT' (a hostname, IPv4 "
-                       f"or [IPv6] address; port 1-65535; at most {_MAX_ENDPOINT_CHARS} chars)")
-        return cls(host, port)
-
-
-def _canonical_host(ipv6: str | None, name: str) -> str | None:
-    try:
-        if ipv6:
-            return ipaddress.IPv6Address(ipv6).compressed
-        if name.rpartition(".")[2].isdigit():
-            return str(ipaddress.IPv4Address(name))
-        if not all(_LABEL_RE.fullmatch(label) for label in name.split(".")):
-            return None
-        socket.inet_aton(name)  # resolvers read names like "0x7f.1" as IPv4: refuse them
-    except ValueError:
-        return None
-    except OSError:  # inet_aton refused it: a plain host name
-        return name
-    return None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class FetchAction:
     """Fetch these blocks (by router hash, a set: it may cover only a suffix) from a source."""
 
@@ -153,7 +104,7 @@ class FetchAction:
     @property
     def endpoint(self) -> Endpoint:
         """The source as host and port (`source_endpoint` is already canonical)."""
-        return Endpoint.parse(self.source_endpoint)
+        return Endpoint.parse(self.source_endpoint, describe=_describe)
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -270,7 +221,7 @@ def _parse_action(action: object, where: str, limits: HintLimits) -> FetchAction
         raise _bad(_R.UNSUPPORTED_MODE, f"{where}.mode", mode,
                    "send 'copy' or 'move', or omit it (copy)")
     endpoint = Endpoint.parse(payload.get("source_control_endpoint", _MISSING),
-                              f"{where}.source_control_endpoint")
+                              f"{where}.source_control_endpoint", describe=_describe)
     hashes = _parse_hashes(payload.get("block_hashes", _MISSING), f"{where}.block_hashes", limits)
     return FetchAction(str(endpoint), hashes, _MODES[mode] if mode else FetchMode.COPY,
                        action_type, FETCH_ACTION_VERSION if version is None else version,

@@ -36,3 +36,18 @@ class SlotState(enum.IntEnum):
     FREE = 0
     FILLING = 1
     READY = 2
+
+
+class FetchStatus(enum.Enum):
+    """Per-key outcome of a fetch (bounded metrics label)."""
+
+    OK = "ok"
+    PRESENT = "present"  # already READY locally: nothing to fetch
+    MISSING = "missing"  # the source does not hold it
+    CHECKSUM = "checksum"  # bytes arrived but did not match: dropped, never published
+    TIMEOUT = "timeout"  # the deadline passed first
+    CANCELLED = "cancelled"
+    CAPACITY = "capacity"  # no local slot could be reserved
+    UNREACHABLE = "unreachable"  # no connection, or it broke
+    REFUSED = "refused"  # authentication, namespace or version refused
+    PROTOCOL = "protocol"  # the source sent something malformed

@@ -66,10 +66,6 @@ class BlockIndexer:
         source.epoch = epoch
         source.seq = 0
 
-    def forget(self, worker: str) -> None:
-        for tier in Tier:
-            self._sources.pop((worker, tier), None)
-
     def workers(self) -> list[str]:
         return sorted({w for w, _ in self._sources})
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvcr_core.attach import Mode, PeerConfig
 from kvcr_core.errors import ConfigError, HintRejected
-from kvcr_core.hints import Endpoint
+from kvcr_core.endpoint import Endpoint
 
 ROUTER_HINT = "router_hint"
 TIER_KEYS = frozenset({"router_capabilities", "control_ports", "control_advertise_host"})

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kvcr_core.attach.client import AttachClient, RunnerUnavailable
 from kvcr_core.attach.protocol import RefusalReason
-from kvcr_core.peers.metrics import FetchStatus
+from kvcr_core.types import FetchStatus
 from kvcr_core.types import BlockKey
 
 _ANSWER_GRACE_S = 1.0  # beyond the fetch deadline, for the Runner's last answer

@@ -31,7 +31,7 @@ from kvcr_core.framing import FRAME_HEADER as FRAME_HEADER
 from kvcr_core.framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from kvcr_core.framing import FrameError as FrameError
 from kvcr_core.framing import recv_frame as recv_frame
-from kvcr_core.peers.metrics import FetchStatus
+from kvcr_core.types import FetchStatus
 from kvcr_core.wire import Message
 from kvcr_core.wire import PostHint as PostHint
 from kvcr_core.wire import encode_frame as encode_frame

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
 from kvcr_core.errors import ConfigError, HintRejected
-from kvcr_core.hints import Endpoint
+from kvcr_core.endpoint import Endpoint
 from kvcr_core.peers import PeerSecret, PeerTLS
 
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",

@@ -15,8 +15,9 @@ from kvcr_core.peers.client import FetchHandle, FetchResult, PeerClient
 from kvcr_core.peers.connection import PeerRefused
 from kvcr_core.peers.directory import InventorySource
 from kvcr_core.peers.inventory_reader import InventoryReader
-from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
-from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.metrics import PeerMetrics
+from kvcr_core.types import FetchStatus
+from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.reads import NixlTransport, ReadTransport
 from kvcr_core.peers.server import PeerServer
 from kvcr_core.peers.tcp import TcpTransport
@@ -26,5 +27,5 @@ from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 __all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryBatch", "InventoryReader",
            "InventorySource", "NixlTransport",
            "PeerClient", "PeerMetrics", "PeerRefused", "PeerSecret", "PeerServer", "PeerTLS",
-           "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "Transport",
+           "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "TransportKind",
            "TransportError"]

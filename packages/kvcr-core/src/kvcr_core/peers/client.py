@@ -30,13 +30,14 @@ from collections.abc import Sequence
 import msgspec
 
 from kvcr_core.framing import FrameError, recv_frame
-from kvcr_core.hints import Endpoint
+from kvcr_core.endpoint import Endpoint
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.connection import DestConnection, FetchJob, PeerRefused, authenticate
-from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
+from kvcr_core.peers.metrics import PeerMetrics
+from kvcr_core.types import FetchStatus
 from kvcr_core.peers.nixl_engine import nixl_installed
-from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError, offered
@@ -52,7 +53,7 @@ class FetchResult:
     statuses: tuple[FetchStatus, ...]  # aligned with the keys asked for
     received_bytes: int
     detail: str = ""
-    transport: Transport | None = None  # None: nothing was asked of the peer
+    transport: TransportKind | None = None  # None: nothing was asked of the peer
 
     @property
     def fetched(self) -> int:
@@ -188,7 +189,7 @@ class PeerClient:
 
     # -- transfer ------------------------------------------------------------------------------
 
-    def _transfer(self, endpoint: str, job: FetchJob) -> Transport:
+    def _transfer(self, endpoint: str, job: FetchJob) -> TransportKind:
         conn = self._checkout(endpoint, job.deadline)
         reusable = False
         try:
@@ -271,7 +272,7 @@ class PeerClient:
                 except TransportError:  # it offers itself again only after a while
                     sock.close()
                     return self._connect(endpoint, deadline)  # again, offering TCP only
-            elif ready.transport is not Transport.TCP:
+            elif ready.transport is not TransportKind.TCP:
                 raise FrameError(f"the peer chose transport {ready.transport.value!r}, "
                                  "not offered")
             elif offer is not None:  # the peer has no such transport (yet)

@@ -22,7 +22,8 @@ from kvcr_core.checksums import SlotChecksums
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
-from kvcr_core.peers.metrics import FetchStatus, PeerMetrics
+from kvcr_core.peers.metrics import PeerMetrics
+from kvcr_core.types import FetchStatus
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, OpId, OwnerId, SlotId
 
@@ -31,10 +32,10 @@ if TYPE_CHECKING:
 
 
 class PeerRefused(ConnectionError):
-    """The source refused us (its reason is a `RefuseReason` value)."""
+    """The source refused us (its reason is a `PeerRefusal` value)."""
 
-    def __init__(self, reason: pp.RefuseReason | str, detail: str) -> None:
-        self.reason = reason.value if isinstance(reason, pp.RefuseReason) else reason
+    def __init__(self, reason: pp.PeerRefusal | str, detail: str) -> None:
+        self.reason = reason.value if isinstance(reason, pp.PeerRefusal) else reason
         super().__init__(f"peer refused ({self.reason}): {detail}")
 
 
@@ -127,7 +128,7 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
     if not isinstance(ready, pp.Ready):
         raise FrameError("expected Ready")
     if not secret.check(b"server", challenge.nonce, nonce, ready.mac):
-        raise PeerRefused(pp.RefuseReason.AUTH,
+        raise PeerRefused(pp.PeerRefusal.AUTH,
                           f"{endpoint} does not know the shared peer secret")
     return ready
 

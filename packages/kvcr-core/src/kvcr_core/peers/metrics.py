@@ -3,7 +3,6 @@ like the Runner's."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -11,22 +10,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvcr_core.metrics import LightMetrics
-from kvcr_core.peers.protocol import RefuseReason, Transport
-
-
-class FetchStatus(enum.Enum):
-    """Per-key outcome of a fetch (bounded metrics label)."""
-
-    OK = "ok"
-    PRESENT = "present"  # already READY locally: nothing to fetch
-    MISSING = "missing"  # the source does not hold it
-    CHECKSUM = "checksum"  # bytes arrived but did not match: dropped, never published
-    TIMEOUT = "timeout"  # the deadline passed first
-    CANCELLED = "cancelled"
-    CAPACITY = "capacity"  # no local slot could be reserved
-    UNREACHABLE = "unreachable"  # no connection, or it broke
-    REFUSED = "refused"  # authentication, namespace or version refused
-    PROTOCOL = "protocol"  # the source sent something malformed
+from kvcr_core.peers.protocol import PeerRefusal, TransportKind
+from kvcr_core.types import FetchStatus
 
 
 class PeerMetrics(LightMetrics):
@@ -34,9 +19,9 @@ class PeerMetrics(LightMetrics):
         super().__init__(registry)
         self.fetched = {s.value: 0 for s in FetchStatus}
         self.fetched_bytes = self.served_blocks = self.served_bytes = self.accept_errors = 0
-        self.refused = {r.value: 0 for r in RefuseReason}
+        self.refused = {r.value: 0 for r in PeerRefusal}
         # production transports from the start; the loopback of tests once it is used
-        self.connections = {t.value: 0 for t in (Transport.TCP, Transport.NIXL)}
+        self.connections = {t.value: 0 for t in (TransportKind.TCP, TransportKind.NIXL)}
         self.register()
 
     def on_fetch(self, counts: dict[FetchStatus, int], received_bytes: int) -> None:
@@ -50,7 +35,7 @@ class PeerMetrics(LightMetrics):
             self.served_blocks += blocks
             self.served_bytes += sent_bytes
 
-    def on_connection(self, transport: Transport) -> None:
+    def on_connection(self, transport: TransportKind) -> None:
         with self.lock:
             self.connections[transport.value] = self.connections.get(transport.value, 0) + 1
 
@@ -58,7 +43,7 @@ class PeerMetrics(LightMetrics):
         with self.lock:
             self.accept_errors += 1
 
-    def on_refused(self, reason: RefuseReason) -> None:
+    def on_refused(self, reason: PeerRefusal) -> None:
         with self.lock:
             self.refused[reason.value] += 1
 

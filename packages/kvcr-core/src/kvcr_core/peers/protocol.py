@@ -77,7 +77,7 @@ class Challenge(Message, tag="challenge"):
     nonce: Nonce
 
 
-class Transport(enum.Enum):
+class TransportKind(enum.Enum):
     """How block bytes travel on a connection (bounded metrics label)."""
 
     TCP = "tcp"
@@ -85,7 +85,7 @@ class Transport(enum.Enum):
     LOOPBACK = "loopback"  # both ends in one process (kvcr_core.testing.LoopbackTransport)
 
 
-class RefuseReason(enum.Enum):
+class PeerRefusal(enum.Enum):
     """Why a peer connection was refused (bounded metrics label)."""
 
     VERSION = "version"
@@ -108,14 +108,14 @@ class Auth(Message, tag="auth"):
 
 class Ready(Message, tag="ready"):
     mac: Mac  # the source's proof, given only to a client that proved its own
-    transport: Transport = Transport.TCP
+    transport: TransportKind = TransportKind.TCP
     nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
     features: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(
         default_factory=list)  # of those offered
 
 
 class Refused(Message, tag="refused"):
-    reason: RefuseReason
+    reason: PeerRefusal
     detail: str
 
 

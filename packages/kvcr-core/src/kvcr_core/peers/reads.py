@@ -35,7 +35,7 @@ from kvcr_core.framing import FrameError, readable, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
 from kvcr_core.peers.lanes import LaneJob, ReadLanes
-from kvcr_core.peers.metrics import FetchStatus
+from kvcr_core.types import FetchStatus
 from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.peers.tcp import SEND_GROUP_BYTES
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
@@ -383,7 +383,7 @@ class NixlTransport(ReadTransport):
     read-only mode, so an authenticated peer could also write it: trusted nodes only. Never
     with TLS (NIXL moves bytes outside the TLS channel)."""
 
-    kind = pp.Transport.NIXL
+    kind = pp.TransportKind.NIXL
 
     def __init__(self, engine: NixlEngine | None = None, **options: Any) -> None:
         super().__init__(engine if engine is not None else NixlEngine.shared(), **options)

@@ -44,7 +44,7 @@ from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.connection import SourceConnection
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.nixl_engine import nixl_installed
-from kvcr_core.peers.protocol import RefuseReason, Transport
+from kvcr_core.peers.protocol import PeerRefusal, TransportKind
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport
@@ -57,7 +57,7 @@ _ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pau
 
 
 class _Refuse(Exception):
-    def __init__(self, reason: RefuseReason, detail: str) -> None:
+    def __init__(self, reason: PeerRefusal, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -87,7 +87,7 @@ class PeerServer:
         self._warn = ThrottledLog(log)
         self._tls = tls.server_context() if tls is not None else None
         extra = list(transports)
-        if nixl and nixl_installed() and not any(t.kind is Transport.NIXL for t in extra):
+        if nixl and nixl_installed() and not any(t.kind is TransportKind.NIXL for t in extra):
             from kvcr_core.peers.reads import NixlTransport
 
             extra.append(NixlTransport())
@@ -101,7 +101,7 @@ class PeerServer:
         self._lock = threading.Lock()
         self._owners = itertools.count(_PEER_OWNER_BASE)
         # (transport, namespace) -> what a peer needs to reach the exposed pool
-        self._exposed: dict[tuple[Transport, NamespaceDigest], tuple[PeerTransport,
+        self._exposed: dict[tuple[TransportKind, NamespaceDigest], tuple[PeerTransport,
                                                                       NamespaceStore, bytes]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvcr-peer-accept",
@@ -166,7 +166,7 @@ class PeerServer:
                 self._conns.add(conn)
                 self._waiting[conn] = None
             if oldest is not None:  # a flood that does not authenticate: the oldest goes
-                self.metrics.on_refused(RefuseReason.BUSY)
+                self.metrics.on_refused(PeerRefusal.BUSY)
                 with contextlib.suppress(OSError):
                     oldest.shutdown(socket.SHUT_RDWR)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -188,7 +188,7 @@ class PeerServer:
                 self._authenticated += 1
         if busy:
             self._pending += 1  # undone where the connection ends, as for pending ones
-            raise _Refuse(RefuseReason.BUSY, "too many peer connections; retry later")
+            raise _Refuse(PeerRefusal.BUSY, "too many peer connections; retry later")
         sock.settimeout(self.io_timeout_s)
 
     def _serve(self, raw: socket.socket) -> None:
@@ -212,11 +212,11 @@ class PeerServer:
                 elif isinstance(message, pp.Fetch) and conn is not None:
                     conn.transport.send(conn, message)
                 else:
-                    raise _Refuse(RefuseReason.MALFORMED, "expected Fetch, Inventory or PostHint")
+                    raise _Refuse(PeerRefusal.MALFORMED, "expected Fetch, Inventory or PostHint")
         except _Refuse as exc:
             self._refuse(sock, exc.reason, exc.detail)
         except (msgspec.MsgspecError, FrameError) as exc:
-            self._refuse(sock, RefuseReason.MALFORMED, str(exc))
+            self._refuse(sock, PeerRefusal.MALFORMED, str(exc))
         except OSError:
             pass  # the peer went away, went silent past the deadline, or failed TLS
         except Exception as exc:  # a fault of ours: this connection only
@@ -241,17 +241,17 @@ class PeerServer:
         limit = pp.MAX_HANDSHAKE_FRAME_BYTES
         hello = pp.decode_to_server(recv_frame(sock, limit=limit)[0])
         if not isinstance(hello, pp.Hello):
-            raise _Refuse(RefuseReason.MALFORMED, "expected Hello")
+            raise _Refuse(PeerRefusal.MALFORMED, "expected Hello")
         if hello.version != pp.PEER_PROTOCOL_VERSION:
-            raise _Refuse(RefuseReason.VERSION, f"peer speaks {hello.version}, this runner "
+            raise _Refuse(PeerRefusal.VERSION, f"peer speaks {hello.version}, this runner "
                           f"{pp.PEER_PROTOCOL_VERSION}: run matching kvcr versions")
         nonce = new_nonce()
         sock.sendall(pp.encode(pp.Challenge(pp.PEER_PROTOCOL_VERSION, nonce)))
         auth = pp.decode_to_server(recv_frame(sock, limit=limit)[0])
         if not isinstance(auth, pp.Auth):
-            raise _Refuse(RefuseReason.MALFORMED, "expected Auth")
+            raise _Refuse(PeerRefusal.MALFORMED, "expected Auth")
         if not self.secret.check(b"client", hello.nonce, nonce, auth.mac):
-            raise _Refuse(RefuseReason.AUTH, "wrong peer secret")
+            raise _Refuse(PeerRefusal.AUTH, "wrong peer secret")
         proof = self.secret.prove(b"server", nonce, hello.nonce)
         if not auth.namespace:
             self._admit(raw, sock)
@@ -268,14 +268,14 @@ class PeerServer:
 
     def _namespace(self, auth: pp.Auth) -> NamespaceStore:
         if len(auth.namespace) != 16:
-            raise _Refuse(RefuseReason.MALFORMED, "a namespace digest is 16 bytes")
+            raise _Refuse(PeerRefusal.MALFORMED, "a namespace digest is 16 bytes")
         try:
             store = self.runner.namespace(NamespaceDigest(auth.namespace))
         except UnknownNamespaceError:
-            raise _Refuse(RefuseReason.NAMESPACE, "this runner holds no blocks of namespace "
+            raise _Refuse(PeerRefusal.NAMESPACE, "this runner holds no blocks of namespace "
                           f"{auth.namespace.hex()}") from None
         if store.block_bytes != auth.block_bytes:
-            raise _Refuse(RefuseReason.NAMESPACE, f"blocks here are {store.block_bytes} bytes, "
+            raise _Refuse(PeerRefusal.NAMESPACE, f"blocks here are {store.block_bytes} bytes, "
                           f"the peer expects {auth.block_bytes}")
         return store
 
@@ -312,7 +312,7 @@ class PeerServer:
         sock.sendall(pp.encode(pp.InventoryReply(
             reset, self.runner.inventory.epoch, self.runner.inventory.last_seq, out)))
 
-    def _refuse(self, conn: socket.socket, reason: RefuseReason, detail: str) -> None:
+    def _refuse(self, conn: socket.socket, reason: PeerRefusal, detail: str) -> None:
         self.metrics.on_refused(reason)
         self._warn.log(logging.WARNING, reason.value, "peer connection refused (%s): %s",
                        reason.value, printable(detail, 300))

@@ -18,14 +18,14 @@ from kvcr_core.checksums import block_checksum
 from kvcr_core.framing import FrameError, recv_exact_into, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
-from kvcr_core.peers.metrics import FetchStatus
+from kvcr_core.types import FetchStatus
 from kvcr_core.peers.transport import PeerTransport
 
 SEND_GROUP_BYTES: Final = 1 << 20  # block bytes per gather send (and per checksum group)
 
 
 class TcpTransport(PeerTransport):
-    kind = pp.Transport.TCP
+    kind = pp.TransportKind.TCP
 
     def send(self, conn: SourceConnection, fetch: pp.Fetch) -> None:
         store = conn.store

@@ -45,7 +45,7 @@ class ReadRefused(TransportError):
 
 
 class PeerTransport(abc.ABC):
-    kind: ClassVar[pp.Transport]
+    kind: ClassVar[pp.TransportKind]
     features: tuple[str, ...] = ()
     """Protocol features this transport offers (destination) and accepts (source)."""
 

@@ -24,7 +24,7 @@ from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.lanes import ReadLanes
-from kvcr_core.peers.protocol import Transport
+from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.reads import ReadTransport
 from kvcr_core.peers.transport import ReadRefused, TransportError
 from kvcr_core.testing.blocks import pattern_block
@@ -122,7 +122,7 @@ class LoopbackTransport(ReadTransport):
     (addresses, late checksums, FetchDone, verdicts) with no NIXL, for tests of peers and of
     what uses them. Give the same instance to the `PeerServer` and the `PeerClient`."""
 
-    kind = Transport.LOOPBACK
+    kind = TransportKind.LOOPBACK
     drives_progress = False
 
     def __init__(self, **options: Any) -> None:
