@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.endpoint import Endpoint
+from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.keys import NamespaceSpec
 from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
 from kvcr_router.hashing import MAX_PROMPT_CHARS

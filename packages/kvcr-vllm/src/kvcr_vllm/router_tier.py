@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvcr_core.attach import Mode, PeerConfig
-from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.endpoint import Endpoint
+from kvcr_core.errors import ConfigError, HintRejected
 
 ROUTER_HINT = "router_hint"
 TIER_KEYS = frozenset({"router_capabilities", "control_ports", "control_advertise_host"})

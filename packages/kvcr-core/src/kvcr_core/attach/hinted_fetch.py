@@ -26,8 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kvcr_core.attach.client import AttachClient, RunnerUnavailable
 from kvcr_core.attach.protocol import RefusalReason
-from kvcr_core.types import FetchStatus
-from kvcr_core.types import BlockKey
+from kvcr_core.types import BlockKey, FetchStatus
 
 _ANSWER_GRACE_S = 1.0  # beyond the fetch deadline, for the Runner's last answer
 _WAIT_POLL_S = 0.0005  # a poll is one round trip to the Runner

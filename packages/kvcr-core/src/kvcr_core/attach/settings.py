@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
-from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.endpoint import Endpoint
+from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.peers import PeerSecret, PeerTLS
 
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",

@@ -16,16 +16,32 @@ from kvcr_core.peers.connection import PeerRefused
 from kvcr_core.peers.directory import InventorySource
 from kvcr_core.peers.inventory_reader import InventoryReader
 from kvcr_core.peers.metrics import PeerMetrics
-from kvcr_core.types import FetchStatus
 from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.reads import NixlTransport, ReadTransport
 from kvcr_core.peers.server import PeerServer
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
+from kvcr_core.types import FetchStatus
 
-__all__ = ["FetchHandle", "FetchResult", "FetchStatus", "InventoryBatch", "InventoryReader",
-           "InventorySource", "NixlTransport",
-           "PeerClient", "PeerMetrics", "PeerRefused", "PeerSecret", "PeerServer", "PeerTLS",
-           "PeerTransport", "ReadRefused", "ReadTransport", "TcpTransport", "TransportKind",
-           "TransportError"]
+__all__ = [
+           "FetchHandle",
+           "FetchResult",
+           "FetchStatus",
+           "InventoryBatch",
+           "InventoryReader",
+           "InventorySource",
+           "NixlTransport",
+           "PeerClient",
+           "PeerMetrics",
+           "PeerRefused",
+           "PeerSecret",
+           "PeerServer",
+           "PeerTLS",
+           "PeerTransport",
+           "ReadRefused",
+           "ReadTransport",
+           "TcpTransport",
+           "TransportError",
+           "TransportKind",
+]

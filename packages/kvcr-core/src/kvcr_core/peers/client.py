@@ -29,20 +29,19 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.endpoint import Endpoint
+from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.connection import DestConnection, FetchJob, PeerRefused, authenticate
 from kvcr_core.peers.metrics import PeerMetrics
-from kvcr_core.types import FetchStatus
 from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError, offered
 from kvcr_core.runner import NamespaceStore
-from kvcr_core.types import BlockKey
+from kvcr_core.types import BlockKey, FetchStatus
 
 _MAX_IDLE_PER_PEER = 4
 _MAX_KNOWN_PEERS = 256

@@ -23,9 +23,8 @@ from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret, new_nonce
 from kvcr_core.peers.metrics import PeerMetrics
-from kvcr_core.types import FetchStatus
 from kvcr_core.runner import NamespaceStore
-from kvcr_core.types import BlockKey, OpId, OwnerId, SlotId
+from kvcr_core.types import BlockKey, FetchStatus, OpId, OwnerId, SlotId
 
 if TYPE_CHECKING:
     from kvcr_core.peers.transport import PeerTransport

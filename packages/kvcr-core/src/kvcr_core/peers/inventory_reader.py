@@ -14,8 +14,8 @@ import array
 import socket
 from typing import TypeVar
 
-from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.endpoint import Endpoint
+from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.auth import PeerSecret

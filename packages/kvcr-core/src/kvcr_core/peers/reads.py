@@ -35,12 +35,11 @@ from kvcr_core.framing import FrameError, readable, recv_frame
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
 from kvcr_core.peers.lanes import LaneJob, ReadLanes
-from kvcr_core.types import FetchStatus
 from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.peers.tcp import SEND_GROUP_BYTES
 from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 from kvcr_core.runner import NamespaceStore
-from kvcr_core.types import SlotId
+from kvcr_core.types import FetchStatus, SlotId
 
 log = logging.getLogger("kvcr_core.peers")
 _READING_PROGRESS_S: Final = 0.0001  # a peer is reading: UCX over a network needs us often

@@ -18,8 +18,8 @@ from kvcr_core.checksums import block_checksum
 from kvcr_core.framing import FrameError, recv_exact_into, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
-from kvcr_core.types import FetchStatus
 from kvcr_core.peers.transport import PeerTransport
+from kvcr_core.types import FetchStatus
 
 SEND_GROUP_BYTES: Final = 1 << 20  # block bytes per gather send (and per checksum group)
 

@@ -26,9 +26,8 @@ from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import SlotPool
-from kvcr_core.types import FetchStatus
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import BlockKey, OpId, OwnerId
+from kvcr_core.types import BlockKey, FetchStatus, OpId, OwnerId
 
 
 class ManualClock:
