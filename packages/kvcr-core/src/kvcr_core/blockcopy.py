@@ -1,7 +1,8 @@
-"""Whole-block copies through anything that hands out pool slots: a local `NamespaceStore`
-or an `AttachClient` (the `SlotOwner` protocol). Write = reserve + copy + commit
-(abort if the copy fails, so nothing half-written is published); read = acquire + copy +
-release. Thread-safety is the slot owner's.
+"""Whole-block copies through anything that hands out pool slots (the `SlotOwner` protocol: a
+local `NamespaceStore`, or a client's `RunnerOps` for its first namespace), into and out of
+the pool it hands them out of. Write = reserve + copy + commit (abort if the copy fails, so
+nothing half-written is published); read = acquire + copy + release. Thread-safety is the
+slot owner's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ from kvcr_core.types import BlockKey, OpId
 
 
 class SlotOwner(Protocol):
-    @property
-    def pool(self) -> SlotPool: ...
-
     def reserve(self, keys: Sequence[BlockKey]) -> Reservation: ...
 
     def commit(self, op: OpId, *, checksums: Sequence[int]) -> int: ...
@@ -30,7 +28,7 @@ class SlotOwner(Protocol):
     def release(self, op: OpId) -> bool: ...
 
 
-def store_blocks(owner: SlotOwner, keys: Sequence[BlockKey],
+def store_blocks(owner: SlotOwner, pool: SlotPool, keys: Sequence[BlockKey],
                  blocks: Sequence[bytes | memoryview]) -> int:
     """Copies `blocks[i]` in for every key not already present; returns blocks stored."""
     if len(keys) != len(blocks):
@@ -40,7 +38,6 @@ def store_blocks(owner: SlotOwner, keys: Sequence[BlockKey],
         return 0
     sums: list[int] = []
     try:
-        pool = owner.pool
         for slot, block in zip(res.slots, blocks, strict=True):
             if slot is not None:
                 pool.write(slot, block)
@@ -51,11 +48,11 @@ def store_blocks(owner: SlotOwner, keys: Sequence[BlockKey],
     return owner.commit(res.op, checksums=sums)
 
 
-def load_blocks(owner: SlotOwner, keys: Sequence[BlockKey]) -> list[bytes]:
+def load_blocks(owner: SlotOwner, pool: SlotPool, keys: Sequence[BlockKey]) -> list[bytes]:
     """Bytes of the longest READY prefix of `keys`, copied out under a lease."""
     lease = owner.acquire(keys)
     try:
-        view = owner.pool.view
+        view = pool.view
         return [bytes(view(slot)) for slot in lease.slots if slot is not None]
     finally:
         owner.release(lease.op)

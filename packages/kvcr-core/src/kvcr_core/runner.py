@@ -166,11 +166,11 @@ class NamespaceStore:
 
     def store(self, keys: Sequence[BlockKey], blocks: Sequence[bytes | memoryview]) -> int:
         """Copies `blocks[i]` in for every key not already present; returns blocks stored."""
-        return store_blocks(self, keys, blocks)
+        return store_blocks(self, self.pool, keys, blocks)
 
     def load(self, keys: Sequence[BlockKey]) -> list[bytes]:
         """Bytes of the longest READY prefix of `keys` (copied out under a lease)."""
-        return load_blocks(self, keys)
+        return load_blocks(self, self.pool, keys)
 
     def close(self) -> None:
         self.pool.close()

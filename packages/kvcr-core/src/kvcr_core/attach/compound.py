@@ -6,8 +6,8 @@ or released), so one client's big request never delays the others by more than a
 millisecond. A client that needs more (a load of a long prompt) sends several requests, each
 within the bound, pipelined: the server serves other clients between them. `CompoundOps`
 hands the caller one op id for the parts (and ends all of them by it); `Pending` is the
-handle of one request in flight, `Gathered` that of the pipelined parts, answered as one
-reservation or lease.
+handle (kvcr_core.attach.ops' `Handle`) of one request in flight, `Gathered` that of the
+pipelined parts, answered as one reservation or lease.
 
 Threading: used under the owning client's lock (`CompoundOps`), or by one caller (`Gathered`).
 """
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from kvcr_core.attach.protocol import MAX_HEAVY_KEYS_PER_REQUEST, Result
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.types import OpId
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
 _FIRST_ID = 1 << 62  # above any id a server hands out
 
 
@@ -31,12 +30,6 @@ def chunks(items: Sequence[T], step: int = MAX_HEAVY_KEYS_PER_REQUEST) -> list[S
     """`items` in parts of at most `step` (by default the per-request bound of heavy keys;
     one part when it fits)."""
     return [items[i:i + step] for i in range(0, len(items), step)] or [items]
-
-
-class Handle(Protocol[T_co]):
-    """What `reserve_async` / `acquire_async` return: `result()` waits for the answer."""
-
-    def result(self) -> T_co: ...
 
 
 class Pending(Generic[T]):

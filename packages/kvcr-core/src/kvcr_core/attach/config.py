@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from kvcr_core.attach.session import ClientLimits
+from kvcr_core.attach.service import ClientLimits
 from kvcr_core.attach.settings import PeerConfig
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import ConfigError

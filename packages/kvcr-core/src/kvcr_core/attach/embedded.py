@@ -1,10 +1,12 @@
 """Embedded mode: the Runner lives in the engine process (vLLM: its scheduler; SGLang: the
 process that owns the cache).
 
-It is served to this engine's workers exactly as kvcr-guard serves engines (the same
-`AttachServer` on a private Unix socket, in a daemon thread), so embedded and guarded modes
-run one code path; with `peer.listen` it also serves other nodes, and with `peer.peers` it
-fetches hinted blocks from them (the attach protocol's fetch tickets). The default socket is a
+It is served to the engine's other processes (vLLM's workers, `kvcr status`) exactly as
+kvcr-guard serves engines (the same `AttachServer` on a private Unix socket, in a daemon
+thread), so embedded and guarded modes run one code path; the engine's own process calls it
+in-process (`service`: the same `RunnerService` the socket's codec calls, without a socket
+round trip). With `peer.listen` it also serves other nodes, and with `peer.peers` it fetches
+hinted blocks from them (the service's fetch tickets). The default socket is a
 Linux abstract one (no file; only this uid may attach), so nothing is left behind even when
 the engine is killed. With `metrics_listen` the Runner's registry (`kvcr_*`, `kvcr_peer_*`,
 `kvcr_pull_*`, the process's own series) is served on that port (plus `metrics_offset`, for
@@ -19,11 +21,17 @@ import logging
 import os
 import threading
 
+from collections.abc import Sequence
+
+from kvcr_core.attach.admission import AttachRefused
 from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.ops import RunnerUnavailable
 from kvcr_core.attach.server import AttachServer
+from kvcr_core.attach.service import RunnerService
 from kvcr_core.attach.settings import EngineSettings
 from kvcr_core.config import KVCRConfig
 from kvcr_core.exposition import process_metrics, serve_metrics
+from kvcr_core.keys import NamespaceSpec
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -66,8 +74,19 @@ class EmbeddedRunner:
     @property
     def peer_endpoint(self) -> str | None:
         """Where this Runner serves peers (None: it serves none)."""
-        server = self.server.peer_server
-        return None if server is None else server.endpoint
+        return self.server.host.peers.endpoint
+
+    def service(self, specs: Sequence[NamespaceSpec], block_bytes: int, *,
+                identity: str = "") -> RunnerService:
+        """An in-process client of this Runner for `specs` (its namespaces, in order), as
+        this process's uid; `close()` it when done. Raises RunnerUnavailable if the
+        namespaces cannot open (no pool room, another block size)."""
+        host = self.server.host
+        try:
+            return host.attach(host.new_owner(), os.getuid(), specs, block_bytes,
+                               identity or f"pid-{os.getpid()}-in-process")
+        except AttachRefused as exc:
+            raise RunnerUnavailable(exc.reason, exc.detail) from None
 
     def stop(self) -> None:
         if self._thread.is_alive():

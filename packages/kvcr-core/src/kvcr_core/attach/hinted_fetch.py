@@ -3,10 +3,11 @@
 A hint says which peer holds which blocks. The fetcher takes the hinted run that extends the
 local prefix (blocks `have`, `have + 1`, ... while each is hinted to the same source; never
 across a hole), checks the source is a configured peer (a hint can never make kvcr dial
-anything else), and asks the Runner to fetch that run into every rank's namespace through the
-attach protocol's fetch tickets: the Runner dials, whether it is embedded in the engine or in
-kvcr-guard, so the same code serves both modes and every TP rank. Each ticket ends by the
-fetch deadline (plus a grace second for the answer); a lost Runner ends it at once.
+anything else), and asks the Runner to fetch that run into every rank's namespace under one
+fetch ticket (`RunnerOps.peer_fetch`): the Runner dials, whether it is embedded in the engine
+or in kvcr-guard, so the same code serves both modes and every TP rank, in one round trip
+per poll whatever the TP size. The ticket ends by the fetch deadline (plus a grace second for
+the answer); a lost Runner ends it at once.
 
 Used by the vLLM scheduler (hints carried by requests; it polls once per engine step and asks
 vLLM to ask again meanwhile) and the SGLang page store (hints posted to the Runner's board;
@@ -24,7 +25,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from kvcr_core.attach.client import AttachClient, RunnerUnavailable
+from kvcr_core.attach.ops import RunnerError, RunnerOps, RunnerRefused
 from kvcr_core.attach.protocol import RefusalReason
 from kvcr_core.types import BlockKey, FetchStatus
 
@@ -84,28 +85,23 @@ class FetchSummary:
 class HintedFetch:
     """A hinted fetch in flight: `poll()` (non-blocking) or `wait()`."""
 
-    def __init__(self, clients: Sequence[AttachClient], tickets: Sequence[int], run: HintedRun,
+    def __init__(self, runner: RunnerOps, ticket: int, run: HintedRun, ranks: int,
                  give_up_at: float, clock: Callable[[], float]) -> None:
         self.run = run
-        self._clients = clients
-        self._tickets = list(tickets)
+        self._runner = runner
+        self._ticket = ticket
+        self._ranks = ranks
         self._give_up_at = give_up_at
         self._clock = clock
-        self._statuses: list[tuple[FetchStatus, ...] | None] = [None] * len(clients)
 
     def poll(self) -> FetchSummary | None:
-        """The summary once every rank's fetch ended; None while one still runs."""
-        for rank, (client, ticket) in enumerate(zip(self._clients, self._tickets, strict=True)):
-            if self._statuses[rank] is not None:
-                continue
-            try:
-                outcome = client.peer_poll(ticket)
-            except RunnerUnavailable as exc:
-                return self._end(FetchStatus.UNREACHABLE, f"the runner was lost: {exc}")
-            if outcome.done:
-                self._statuses[rank] = tuple(outcome.statuses)
-        if all(s is not None for s in self._statuses):
-            return FetchSummary(self.run, tuple(s for s in self._statuses if s is not None))
+        """The summary once the fetch ended on every rank; None while it still runs."""
+        try:
+            outcome = self._runner.peer_poll(self._ticket)
+        except RunnerError as exc:
+            return self._end(FetchStatus.UNREACHABLE, f"the runner was lost: {exc}")
+        if outcome.done:
+            return FetchSummary(self.run, tuple(tuple(s) for s in outcome.statuses))
         if self._clock() > self._give_up_at:
             return self._end(FetchStatus.TIMEOUT, "no answer by the deadline")
         return None
@@ -128,40 +124,40 @@ class HintedFetch:
 
     def _end(self, status: FetchStatus, detail: str) -> FetchSummary:
         n = self.run.end - self.run.start
-        return FetchSummary(self.run, tuple(s if s is not None else (status,) * n
-                                            for s in self._statuses), detail)
+        return FetchSummary(self.run, ((status,) * n,) * self._ranks, detail)
 
 
 class HintedFetcher:
-    """Starts hinted fetches into the namespaces of `clients` (one per TP rank, in rank
+    """Starts hinted fetches into every namespace of `runner` (one per TP rank, in rank
     order), from `peers` only, each bounded by `deadline_s`."""
 
-    def __init__(self, clients: Sequence[AttachClient], peers: frozenset[str],
-                 deadline_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clients = list(clients)
+    def __init__(self, runner: RunnerOps, peers: frozenset[str], deadline_s: float, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
         self.peers = peers
         self.deadline_s = deadline_s
         self._clock = clock
 
     def local_prefix(self, keys_by_rank: Sequence[Sequence[BlockKey]]) -> int:
-        """Blocks READY here on every rank (raises RunnerUnavailable)."""
-        return min(c.lookup(k) for c, k in zip(self.clients, keys_by_rank, strict=True))
+        """Blocks READY here on every rank (raises RunnerError)."""
+        return self.runner.lookup_all(keys_by_rank)
 
     def start(self, keys_by_rank: Sequence[Sequence[BlockKey]],
               run: HintedRun | None) -> HintedFetch | Skipped:
-        """Asks the Runner to fetch `run` of every rank's keys from its source."""
+        """Asks the Runner to fetch `run` of every rank's keys from its source (one ticket
+        for all ranks)."""
         if run is None or run.end <= run.start:
             return Skipped.NO_RUN
         if run.source not in self.peers:
             return Skipped.NOT_ALLOWED
-        tickets = []
         try:
-            for client, keys in zip(self.clients, keys_by_rank, strict=True):
-                tickets.append(client.peer_fetch(run.source, keys[run.start:run.end],
-                                                 self.deadline_s))
-        except RunnerUnavailable as exc:
-            # the fetches already started end by their deadline; nothing waits for them
-            refused = exc.reason == RefusalReason.PEER_NOT_ALLOWED.value
-            return Skipped.NOT_ALLOWED if refused else Skipped.UNAVAILABLE
-        return HintedFetch(self.clients, tickets, run,
+            ticket = self.runner.peer_fetch(
+                run.source, [keys[run.start:run.end] for keys in keys_by_rank], self.deadline_s)
+        except RunnerRefused as exc:
+            if exc.refusal is RefusalReason.PEER_NOT_ALLOWED:
+                return Skipped.NOT_ALLOWED
+            return Skipped.UNAVAILABLE
+        except RunnerError:
+            return Skipped.UNAVAILABLE
+        return HintedFetch(self.runner, ticket, run, len(keys_by_rank),
                            self._clock() + self.deadline_s + _ANSWER_GRACE_S, self._clock)

@@ -1,29 +1,34 @@
-"""The attach protocol, version 2: framed msgpack messages over a Unix socket.
+"""The attach protocol, version 3: framed msgpack messages over a Unix socket.
 
 Frame: 4-byte little-endian payload length, then a msgpack payload of one tagged message.
 Frames are bounded (`MAX_FRAME_BYTES`; before Hello, `MAX_HELLO_FRAME_BYTES`); a bigger
 announced length is a protocol violation. Every field is typed and bounded by the decoder
 (key lengths, counts, block size, namespace fields, op ids): a message that decodes is safe to
-act on. Version 2 (against 1): commits carry each block's checksum, acquires may return
-them, Hello's namespace is a typed structure.
+act on. Version 3 (against 2): a client opens a set of namespaces (one per TP rank) in one
+Hello and gets one memfd each; operations name theirs by index (`ns`); `LookupAll`,
+`AcquireAll` and `PeerFetch` cover several namespaces in one operation.
 
 Order: the client sends `Hello` first and once (or a single `Probe` for status). The server
-answers `Welcome` with the pool's memfd attached by SCM_RIGHTS, or `Goodbye(reason)` and
+answers `Welcome` with the pools' memfds attached by SCM_RIGHTS, or `Goodbye(reason)` and
 closes. Then each `Request` carries a strictly increasing `seq` and a batch of operations
 (one engine step = one round trip); the server answers one `Reply` with one result per
 operation, in order. Anything else (unknown tag, wrong version, a second Hello, a request
-before Hello, a seq that does not increase, too many ops or keys) closes the connection with
-a counted, logged reason; the server and its other clients are unaffected.
+before Hello, a seq that does not increase, too many ops or keys, a namespace index the
+client did not open) closes the connection with a counted, logged reason; the server and its
+other clients are unaffected.
 
-Reasons and statuses are enums (`CloseReason`, `RefusalReason`, kvcr_core.peers'
-`FetchStatus`); the message base and `PostHint` are shared with the peer protocol
-(kvcr_core.wire). Pure data and codecs; thread-safe.
+Each operation is one message here that knows the `RunnerOps` call it stands for (`apply`)
+and the result message that carries its answer; the server's codec calls `apply` on its
+client's `RunnerService`, and `AttachClient`'s stub of the same call sends it. Reasons and
+statuses are enums (`CloseReason`, `RefusalReason`, `FetchStatus`); the message base and
+`PostHint` are shared with the peer protocol (kvcr_core.wire). Pure data and codecs;
+thread-safe.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Final
+from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 
@@ -31,12 +36,19 @@ from kvcr_core.framing import FRAME_HEADER as FRAME_HEADER
 from kvcr_core.framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from kvcr_core.framing import FrameError as FrameError
 from kvcr_core.framing import recv_frame as recv_frame
-from kvcr_core.types import FetchStatus
+from kvcr_core.index import Lease, Reservation
+from kvcr_core.types import FetchStatus, OpId
+from kvcr_core import wire
 from kvcr_core.wire import Message
-from kvcr_core.wire import PostHint as PostHint
 from kvcr_core.wire import encode_frame as encode_frame
 
-PROTOCOL_VERSION: Final = 2
+if TYPE_CHECKING:
+    from kvcr_core.attach.ops import RunnerOps
+    from kvcr_core.types import BlockKey
+
+PROTOCOL_VERSION: Final = 3
+MAX_NAMESPACES_PER_CLIENT: Final = 32
+"""Namespaces one client may open (TP ranks of one engine); one memfd each."""
 MAX_OPS_PER_REQUEST: Final = 256
 MAX_KEYS_PER_OP: Final = 8192
 MAX_HEAVY_KEYS_PER_REQUEST: Final = 1024
@@ -52,7 +64,7 @@ MAX_ATTACH_HINT_BYTES: Final = 8 << 10
 """The largest KV hint one request may post (`AttachClient.post_hint` splits larger ones):
 parsing and remembering one costs the loop about 0.4 ms."""
 MAX_BLOCK_BYTES: Final = 1 << 30
-MAX_HELLO_FRAME_BYTES: Final = 16 << 10
+MAX_HELLO_FRAME_BYTES: Final = 32 << 10
 NO_SLOT: Final = -1
 
 # Validated by the decoder (in C): a wrong key length or too many keys/ops is MALFORMED.
@@ -64,6 +76,8 @@ OpRef = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 _Text = Annotated[str, msgspec.Meta(max_length=512)]
 _Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+Ns = Annotated[int, msgspec.Meta(ge=0, lt=MAX_NAMESPACES_PER_CLIENT)]
+KeySets = Annotated[list[Keys], msgspec.Meta(min_length=1, max_length=MAX_NAMESPACES_PER_CLIENT)]
 
 
 class CloseReason(enum.Enum):
@@ -118,8 +132,12 @@ class NamespaceFields(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Hello(Message, tag="hello"):
+    """Opens `namespaces` (in order: the client's `ns` 0, 1, ...), every one of
+    `block_bytes`-byte blocks."""
+
     protocol: Annotated[int, msgspec.Meta(ge=0)]
-    namespace: NamespaceFields
+    namespaces: Annotated[list[NamespaceFields],
+                          msgspec.Meta(min_length=1, max_length=MAX_NAMESPACES_PER_CLIENT)]
     block_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_BYTES)]
     identity: Annotated[str, msgspec.Meta(max_length=256)]
     pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
@@ -132,16 +150,42 @@ class Probe(Message, tag="probe"):
     protocol: int
 
 
+def _keys(keys: list[bytes]) -> list[BlockKey]:
+    return keys  # type: ignore[return-value]  # length and count checked by the decoder
+
+
 class Lookup(Message, tag="lookup"):
     keys: Keys
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.lookup(_keys(self.keys), self.ns))
+
+
+class LookupAll(Message, tag="lookup_all"):
+    """`keys[i]`: namespace i's keys of the same blocks; answered by the READY prefix common
+    to all of them (`Count`)."""
+
+    keys: KeySets
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.lookup_all([_keys(k) for k in self.keys]))
 
 
 class Contains(Message, tag="contains"):
     keys: Keys
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Flags(ops.contains(_keys(self.keys), self.ns))
 
 
 class Reserve(Message, tag="reserve"):
     keys: Keys
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Slots.of(ops.reserve(_keys(self.keys), self.ns))
 
 
 class Commit(Message, tag="commit"):
@@ -151,10 +195,18 @@ class Commit(Message, tag="commit"):
 
     op: OpRef
     checksums: Checksums
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.commit(OpId(self.op), self.checksums, self.ns))
 
 
 class Abort(Message, tag="abort"):
     op: OpRef
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.abort(OpId(self.op), self.ns))
 
 
 class Acquire(Message, tag="acquire"):
@@ -163,18 +215,53 @@ class Acquire(Message, tag="acquire"):
     keys: Keys
     prefix_only: bool = True
     checksums: bool = False
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Slots.of(ops.acquire(_keys(self.keys), self.ns, prefix_only=self.prefix_only,
+                                    checksums=self.checksums))
+
+
+class AcquireAll(Message, tag="acquire_all"):
+    """Leases the READY prefix of `keys[i]` in namespace i, for every i (`Leases`)."""
+
+    keys: KeySets
+    checksums: bool = False
+
+    def apply(self, ops: RunnerOps) -> Result:
+        leases = ops.acquire_all([_keys(k) for k in self.keys], checksums=self.checksums)
+        return Leases([Slots.of(lease) for lease in leases])
 
 
 class Release(Message, tag="release"):
     op: OpRef
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Done(ops.release(OpId(self.op), self.ns))
 
 
 class Stats(Message, tag="stats"):
-    pass
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return ops.stats(self.ns)
 
 
 class Clear(Message, tag="clear"):
     """Drop every READY, unleased block of the namespace (SGLang's storage `clear`)."""
+
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.clear(self.ns))
+
+
+class PostHint(wire.PostHint, tag="post_hint"):
+    """`kvcr_core.wire.PostHint`, posted by an engine to its Runner."""
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Count(ops.post_hint(self.envelope))
 
 
 class HintSources(Message, tag="hint_sources"):
@@ -183,28 +270,44 @@ class HintSources(Message, tag="hint_sources"):
     hashes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
                       msgspec.Meta(max_length=MAX_KEYS_PER_OP)]
 
+    def apply(self, ops: RunnerOps) -> Result:
+        return Sources.of(ops.hint_sources(self.hashes))
+
 
 class RemoteRun(Message, tag="remote_run"):
     """Pull on miss: which configured peer holds the longest run of `keys` (the blocks after
     a local prefix), from the first, as their inventory feeds say; answered by `Run`."""
 
     keys: Keys
+    ns: Ns = 0
+
+    def apply(self, ops: RunnerOps) -> Result:
+        found = ops.remote_run(_keys(self.keys), self.ns)
+        return Run(*found) if found is not None else Run("", 0)
 
 
 class PeerFetch(Message, tag="peer_fetch"):
-    """Ask the Runner to fetch `keys` from a peer it is configured to trust (async: a Ticket)."""
+    """Ask the Runner to fetch `keys[i]` into namespace i from a peer it is configured to
+    trust (async: a Ticket covering them all)."""
 
     endpoint: Annotated[str, msgspec.Meta(max_length=300)]
-    keys: Keys
+    keys: KeySets
     deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=60_000)]
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return Ticket(ops.peer_fetch(self.endpoint, [_keys(k) for k in self.keys],
+                                     self.deadline_ms / 1000))
 
 
 class PeerPoll(Message, tag="peer_poll"):
     ticket: OpRef
 
+    def apply(self, ops: RunnerOps) -> Result:
+        return ops.peer_poll(self.ticket)
 
-Op = (Lookup | Contains | Reserve | Commit | Abort | Acquire | Release | Stats | Clear
-      | PostHint | HintSources | RemoteRun | PeerFetch | PeerPoll)
+
+Op = (Lookup | LookupAll | Contains | Reserve | Commit | Abort | Acquire | AcquireAll
+      | Release | Stats | Clear | PostHint | HintSources | RemoteRun | PeerFetch | PeerPoll)
 
 
 class Request(Message, tag="request"):
@@ -215,9 +318,9 @@ class Request(Message, tag="request"):
 # -- server -> client -------------------------------------------------------------------------
 
 
-class Welcome(Message, tag="welcome"):
-    protocol: int
-    owner: int
+class PoolInfo(msgspec.Struct, array_like=True):
+    """One opened namespace's pool, as `Welcome` describes it (its memfd travels alongside)."""
+
     namespace_digest: bytes
     slot_bytes: int
     stride_bytes: int
@@ -226,7 +329,15 @@ class Welcome(Message, tag="welcome"):
     backed: bool = False
     """The Runner backs the pool's pages: every page (kvcr-guard --prefault) or each before
     it is handed out (--back-ahead). The engine may map them ahead of use, each once it is
-    backed. Absent from an older Runner's Welcome (read as false)."""
+    backed."""
+
+
+class Welcome(Message, tag="welcome"):
+    """One `PoolInfo` and one memfd per namespace of the Hello, in its order."""
+
+    protocol: int
+    owner: int
+    pools: list[PoolInfo]
 
 
 class Goodbye(Message, tag="goodbye"):
@@ -248,6 +359,17 @@ class Slots(Message, tag="slots"):
     granted: int
     refused: int
     checksums: list[int] = msgspec.field(default_factory=list)  # Acquire(checksums=True)
+
+    @classmethod
+    def of(cls, taken: Reservation | Lease) -> Slots:
+        slots = [NO_SLOT if s is None else s for s in taken.slots]
+        if isinstance(taken, Reservation):
+            return cls(taken.op, slots, taken.granted, taken.refused)
+        return cls(taken.op, slots, taken.granted, 0, list(taken.checksums))
+
+
+class Leases(Message, tag="leases"):
+    parts: list[Slots]
 
 
 class Done(Message, tag="done"):
@@ -274,8 +396,10 @@ class Ticket(Message, tag="ticket"):
 
 
 class FetchOutcome(Message, tag="fetch_outcome"):
+    """`statuses[i]`: per key of namespace i's part of the fetch, once done."""
+
     done: bool
-    statuses: list[FetchStatus]  # per key, once done
+    statuses: list[list[FetchStatus]]
 
 
 class Sources(Message, tag="sources"):
@@ -283,6 +407,22 @@ class Sources(Message, tag="sources"):
 
     endpoints: list[str]
     index: list[int]
+
+    @classmethod
+    def of(cls, sources: list[str | None]) -> Sources:
+        endpoints: list[str] = []
+        index: list[int] = []
+        for source in sources:
+            if source is None:
+                index.append(-1)
+                continue
+            if source not in endpoints:
+                endpoints.append(source)
+            index.append(endpoints.index(source))
+        return cls(endpoints, index)
+
+    def each(self) -> list[str | None]:
+        return [self.endpoints[i] if i >= 0 else None for i in self.index]
 
 
 class Run(Message, tag="run"):
@@ -298,8 +438,8 @@ class Refused(Message, tag="refused"):
     detail: str
 
 
-Result = (Count | Flags | Slots | Done | PoolStats | Ticket | FetchOutcome | Sources | Run
-          | Refused)
+Result = (Count | Flags | Slots | Leases | Done | PoolStats | Ticket | FetchOutcome | Sources
+          | Run | Refused)
 
 
 class Reply(Message, tag="reply"):
@@ -326,5 +466,8 @@ def decode_server(payload: bytes | bytearray | memoryview
 
 
 def op_key_count(op: Op) -> int:
+    """Keys (or hashes) the op names, every namespace's together."""
     keys = getattr(op, "keys", None) or getattr(op, "hashes", None)
-    return 0 if keys is None else len(keys)
+    if not keys:
+        return 0
+    return sum(map(len, keys)) if isinstance(keys[0], list) else len(keys)

@@ -1,56 +1,43 @@
-"""Replies of the attach protocol as values: `RunnerUnavailable` (the one error an engine
-adapter handles: carry on without the cache), and the conversions of one request's results
-into a reservation, a lease or a count (a `Refused` raises RunnerUnavailable; anything else
-unexpected is a protocol fault, raised the same way). Pure.
+"""Replies of the attach protocol as values: the result of one operation checked for its kind
+(a `Refused` raises `RunnerRefused`; anything else unexpected is a protocol fault, raised as
+`RunnerUnavailable`), and the conversions into a reservation, a lease or a count. Pure.
 """
 
 from __future__ import annotations
 
-import enum
+from typing import TypeVar
 
 from kvcr_core.attach import protocol as p
-from kvcr_core.errors import KVCRError
+from kvcr_core.attach.ops import RunnerRefused, RunnerUnavailable
 from kvcr_core.index import Lease, Reservation
 from kvcr_core.types import OpId, SlotId
 
-
-class RunnerUnavailable(KVCRError):
-    """The Runner cannot be reached or refused us: carry on without the cache. `reason` is a
-    short bounded word: a `CloseReason` or `RefusalReason` value the server sent, or one of
-    "backoff", "closed", "attach_failed", "disconnected", "protocol" seen here."""
-
-    def __init__(self, reason: str | enum.Enum, detail: str) -> None:
-        self.reason: str = reason.value if isinstance(reason, enum.Enum) else reason
-        self.detail = detail
-        super().__init__(f"kvcr runner unavailable ({self.reason}): {detail}")
+R = TypeVar("R", bound=p.Result)
 
 
-def _single(results: list[p.Result]) -> p.Slots:
-    result = results[0]
-    if isinstance(result, p.Refused):
-        raise RunnerUnavailable(result.reason, result.detail)
-    if not isinstance(result, p.Slots):
-        raise RunnerUnavailable("protocol", f"expected slots, got {type(result).__name__}")
-    return result
+def result(results: list[p.Result], kind: type[R]) -> R:
+    """The first result, which must be a `kind`."""
+    answer = results[0]
+    if isinstance(answer, kind):
+        return answer
+    if isinstance(answer, p.Refused):
+        raise RunnerRefused(answer.reason, answer.detail)
+    raise RunnerUnavailable("protocol", f"expected {kind.__name__}, got "
+                            f"{type(answer).__name__}")
 
 
 def as_reservation(results: list[p.Result]) -> Reservation:
-    r = _single(results)
+    r = result(results, p.Slots)
     return Reservation(OpId(r.op), slots(r.slots), r.granted, r.refused)
 
 
 def as_lease(results: list[p.Result]) -> Lease:
-    r = _single(results)
+    r = result(results, p.Slots)
     return Lease(OpId(r.op), slots(r.slots), r.granted, tuple(r.checksums))
 
 
 def as_count(results: list[p.Result]) -> int:
-    result = results[0]
-    if isinstance(result, p.Refused):
-        raise RunnerUnavailable(result.reason, result.detail)
-    if not isinstance(result, p.Count):
-        raise RunnerUnavailable("protocol", f"expected a count, got {type(result).__name__}")
-    return result.n
+    return result(results, p.Count).n
 
 
 def slots(values: list[int]) -> tuple[SlotId | None, ...]:

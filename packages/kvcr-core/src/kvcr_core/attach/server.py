@@ -18,7 +18,8 @@ briefly; the loop ends only by `request_shutdown()`.
 Liveness: a client is gone at socket EOF, or when its pidfd (from the kernel's peer
 credentials, not the pid the client claims) says the process exited, even if a forked child
 still holds the socket. Either way its session is closed: FILLING blocks aborted, leases
-released, READY blocks kept. Who may attach where, peers and idle namespaces: `Tenancy`.
+released, READY blocks kept. Who may attach where, the operations, peers and idle namespaces:
+the `RunnerHost` and each connection's `ClientSession` (the codec in front of its service).
 
 Shutdown (`request_shutdown()`, thread- and signal-safe): stop accepting, serve the frames
 already received, tell every client Goodbye("shutdown"), close, remove the socket file, return
@@ -36,24 +37,17 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
 from kvcr_core._version import __version__
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.config import ServerConfig
-from kvcr_core.attach.metrics import AttachMetrics
+from kvcr_core.attach.host import RunnerHost
 from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientSession, SessionClosed
-from kvcr_core.attach.status import status_report
-from kvcr_core.attach.tenancy import Tenancy
 from kvcr_core.attach.wake import WakePipe
-from kvcr_core.keys import NamespaceSpec
 from kvcr_core.logs import ThrottledLog, printable
-from kvcr_core.peers import PeerClient, PeerMetrics, PeerServer
-from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import BlockKey, NamespaceDigest, OwnerId
 
 log = logging.getLogger("kvcr_core.attach")
 
@@ -91,17 +85,16 @@ class _Conn:
 
 
 class AttachServer:
-    """Serves one Runner to attached engines until shut down (a `SessionHost` for them)."""
+    """Serves one Runner (its `RunnerHost`) to attached engines until shut down."""
 
-    def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None):
+    def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None,
+                 host: RunnerHost | None = None):
+        """`host`: one built by the caller (tests that give it another peer half)."""
         self.config = config
-        self.limits, self.prefault = config.limits, config.prefault
-        self.back_ahead_bytes = config.back_ahead_bytes
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.runner = Runner(config.runner, registry=self.registry)
-        self.metrics = AttachMetrics(self.registry)
-        self.peer_metrics = PeerMetrics(self.registry)
-        self.tenancy = Tenancy(config, self.runner, self.metrics, self.peer_metrics)
+        self.host = host if host is not None else RunnerHost(config, self.registry)
+        self.runner = self.host.runner
+        self.metrics = self.host.metrics
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._runq: collections.deque[_Conn] = collections.deque()
@@ -111,9 +104,7 @@ class AttachServer:
         self._accept_at = 0.0  # accepting again from then, after an accept error
         self._wake = WakePipe()
         self._stopping = threading.Event()
-        self._next_owner = 1
-        self._started = time.monotonic()
-        self._next_tick = self._started + _TICK_S
+        self._next_tick = time.monotonic() + _TICK_S
         self._warn = ThrottledLog(log)
         # One receive buffer for all connections: a fresh 256 KiB bytes per recv would be an
         # mmap/munmap pair (and page faults) per request.
@@ -161,7 +152,7 @@ class AttachServer:
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
         self._sel.register(self._wake.read_fd, selectors.EVENT_READ, "wake")
-        self.tenancy.start_peers()
+        self.host.start()
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
@@ -194,34 +185,6 @@ class AttachServer:
             if self._open(conn):
                 self._guarded(conn, self._serve_one)
         self._timers()
-
-    # -- host: what sessions ask of the server (SessionHost) ----------------------------------
-
-    def status(self) -> str:
-        return status_report(
-            self.runner, socket_path=self.config.socket_path, started_s=self._started,
-            attached=[(c.session.store.digest, c.session.identity)
-                      for c in self._conns.values() if c.session.store is not None],
-            peer_endpoint=self.peer_server.endpoint if self.peer_server else None)
-
-    def admit(self, uid: int, spec: NamespaceSpec) -> tuple[CloseReason, str] | None:
-        return self.tenancy.admit(
-            uid, spec, [c.session for c in self._conns.values() if c.session.attached])
-
-    @property
-    def fetches_from_peers(self) -> bool:
-        return self.tenancy.fetches_from_peers
-
-    def peer_client(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
-        return self.tenancy.peer_client(store, endpoint)
-
-    def remote_run(self, namespace: NamespaceDigest,
-                   keys: Sequence[BlockKey]) -> tuple[str, int] | None:
-        return self.tenancy.remote_run(namespace, keys)
-
-    @property
-    def peer_server(self) -> PeerServer | None:
-        return self.tenancy.peer_server
 
     # -- events ------------------------------------------------------------------------------
 
@@ -273,10 +236,9 @@ class AttachServer:
         self._accept_pause_s = 0.0
         pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        owner = OwnerId(self._next_owner)
-        self._next_owner += 1
-        conn = _Conn(sock, ClientSession(owner, pid, uid, self),
-                     time.monotonic() + self.config.handshake_timeout_s)
+        session = ClientSession(self.host.new_owner(), pid, uid, self.host,
+                                self.config.socket_path)
+        conn = _Conn(sock, session, time.monotonic() + self.config.handshake_timeout_s)
         self._conns[conn.fd] = conn
         self._pending += 1
         sock.setblocking(False)
@@ -341,9 +303,6 @@ class AttachServer:
         conn.deadline = None
         self._pending -= 1
         self._watch_pid(conn)
-        store = conn.session.store
-        if store is not None:
-            self.tenancy.used(store.digest, time.monotonic())
         self._publish_counts()
 
     def _send(self, conn: _Conn, frame: bytes, fds: list[int]) -> None:
@@ -421,8 +380,6 @@ class AttachServer:
         was_attached = session.attached
         if not was_attached:
             self._pending -= 1
-        elif session.store is not None:
-            self.tenancy.used(session.store.digest, time.monotonic())
         aborted, released = session.close()
         self.metrics.connection_closed(reason)
         self._publish_counts()
@@ -437,7 +394,7 @@ class AttachServer:
             self._warn.log(logging.WARNING, reason.value, message, *args)
 
     def _publish_counts(self) -> None:
-        self.metrics.set_connections(len(self._conns) - self._pending, self._pending)
+        self.metrics.set_connections(self.host.attached_clients, self._pending)
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -460,8 +417,7 @@ class AttachServer:
                          f"no Hello within {self.config.handshake_timeout_s} s")
         if now >= self._next_tick:
             self._next_tick = now + _TICK_S
-            self.tenancy.release_idle(now, {c.session.store.digest for c in self._conns.values()
-                                            if c.session.store is not None})
+            self.host.release_idle(now)
 
     # -- shutdown ----------------------------------------------------------------------------
 
@@ -482,10 +438,9 @@ class AttachServer:
                 conn.sock.settimeout(1.0)
                 self._read_pending(conn)
             self._refuse(conn, CloseReason.SHUTDOWN, "the kvcr runner is stopping")
-        self.tenancy.close()
         self._sel.close()
         self._wake.close()
-        self.runner.close()
+        self.host.close()
 
     def _read_pending(self, conn: _Conn) -> None:
         """Serves frames already received (in-flight work finishes before the Goodbye)."""

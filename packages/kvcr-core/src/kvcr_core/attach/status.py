@@ -21,12 +21,14 @@ from kvcr_core.runner import Runner
 
 
 def status_report(runner: Runner, *, socket_path: str, started_s: float,
-                  attached: Iterable[tuple[bytes, str]], peer_endpoint: str | None) -> str:
-    """`attached`: (namespace digest, identity) of each attached client."""
+                  attached: Iterable[tuple[Iterable[bytes], str]],
+                  peer_endpoint: str | None) -> str:
+    """`attached`: (namespace digests, identity) of each attached client."""
     clients: dict[bytes, int] = {}
     identities: list[str] = []
-    for digest, identity in attached:
-        clients[digest] = clients.get(digest, 0) + 1
+    for digests, identity in attached:
+        for digest in digests:
+            clients[digest] = clients.get(digest, 0) + 1
         identities.append(printable(identity))
     namespaces: list[dict[str, Any]] = []
     for digest in runner.namespaces:

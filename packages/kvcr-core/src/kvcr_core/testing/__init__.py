@@ -13,8 +13,10 @@ own tests and for anyone testing code built on it.
 - `LoopbackTransport`: a peer transport between pools of one process (memmove reads).
 - `FakePeerSource`: a peer source that authenticates correctly, then misbehaves as told
   (wrong bytes, silence, death, addresses it never exposed), over TCP or a read transport.
-- `FakeAttachClient` and `ManualClock`: an engine's attachment without a socket, and time
-  that moves when the test says, for unit tests of engine adapters.
+- `in_process(runner, specs, block_bytes, peers=LoopbackPeers(...))`: the real
+  `RunnerService` over an in-process Runner, whose peers are other in-process Runners;
+  `ObservedRunner` counts a client's calls and can take its Runner down; `ManualClock`: time
+  that moves when the test says. For unit tests of engine adapters.
 - `mapped_kib(address)`: how much of a mapping this process's page tables hold (smaps Rss);
   `resident_kib(address, length)`: how much of it exists in memory, whoever backed it.
 - `free_port()`: a TCP port on 127.0.0.1 free a moment ago (test and benchmark servers).
@@ -22,7 +24,7 @@ own tests and for anyone testing code built on it.
   released or failed by the test), so CPU tests check the ordering rules a GPU imposes.
 """
 
-from kvcr_core.testing.attach import FakeAttachClient, ManualClock
+from kvcr_core.testing.attach import LoopbackPeers, ManualClock, ObservedRunner, in_process
 from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys
 from kvcr_core.testing.copies import ThreadedCopyEngine
 from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
@@ -31,7 +33,7 @@ from kvcr_core.testing.nodes import peer_node, stocked_source
 from kvcr_core.testing.pages import mapped_kib, resident_kib
 from kvcr_core.testing.ports import free_port
 
-__all__ = ["FakeAttachClient", "FakePeerSource", "LoopbackEngine", "LoopbackTransport",
-           "ManualClock", "RaisingPolicy", "ThreadedCopyEngine", "free_port", "mapped_kib",
-           "network_namespaces", "pattern_block", "peer_node", "random_keys", "resident_kib",
+__all__ = ["FakePeerSource", "LoopbackEngine", "LoopbackPeers", "LoopbackTransport",
+           "ManualClock", "ObservedRunner", "RaisingPolicy", "ThreadedCopyEngine", "free_port",
+           "in_process", "mapped_kib", "network_namespaces", "pattern_block", "peer_node", "random_keys", "resident_kib",
            "stocked_source"]
