@@ -111,13 +111,13 @@ def test_an_embedded_runner_fetches_hinted_blocks_by_ticket_and_stops_its_fetche
     embedded = EmbeddedRunner(settings)
     client = AttachClient(settings.socket, SPEC, BLOCK, identity="test")
     try:
-        fetcher = HintedFetcher([client], settings.peer.peers, 5.0)
+        fetcher = HintedFetcher(client, settings.peer.peers, 5.0)
         fetch = fetcher.start([keys], hinted_run(0, [server.endpoint] * 8))
         assert not isinstance(fetch, Skipped)
         summary = fetch.wait()
         assert summary.fetched == 8 and client.lookup(keys) == 8
         assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
-        peer_clients = list(embedded.server.tenancy.peer_clients.values())
+        peer_clients = list(embedded.server.host.peers.fetchers)
         assert len(peer_clients) == 1
     finally:
         client.close()
@@ -150,8 +150,9 @@ def test_an_engine_attaches_at_start_up_through_a_slow_namespace_open() -> None:
     try:
         start = time.monotonic()
         assert client.try_attach(30.0) is True
-        assert time.monotonic() - start > client.timeout_s  # the open outlasted an op timeout
-        assert client.timeout_s == 0.02  # operations keep their own timeout
+        # the open outlasted an op timeout
+        assert time.monotonic() - start > client.connection.timeout_s
+        assert client.connection.timeout_s == 0.02  # operations keep their own timeout
         keys = list(block_keys(SPEC.digest(), list(range(8)), 4))
         assert client.lookup(keys) == 0 and client.attach_count == 1  # no second handshake
         assert early.lookup(keys) == 0  # a failed start-up attempt: the first use attaches
@@ -191,13 +192,13 @@ def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(backing: str) ->
         before = _rss_shmem_kib()
         client.attach()
         backed = _rss_shmem_kib() - before
-        region_kib = client.pool.region.size_bytes // 1024
+        region_kib = client.pool().region.size_bytes // 1024
         if prefault:
             assert backed >= region_kib  # every page, before the Welcome
         elif backing == "none":
             assert backed < region_kib // 8
         else:
-            region = client.pool.region
+            region = client.pool().region
             deadline = time.monotonic() + 10
             while resident_kib(region.address, pool) < 8 * 1024 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -205,7 +206,7 @@ def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(backing: str) ->
             assert resident_kib(region.address, pool) == 8 * 1024  # the margin only
             reservation = client.reserve(random_keys(20 * mib // BLOCK, seed=5))
             top = max(s for s in reservation.slots if s is not None) + 1
-            top_kib = top * client.pool.stride_bytes // 1024
+            top_kib = top * client.pool().stride_bytes // 1024
             assert resident_kib(region.address, pool) >= top_kib  # before the reply
     finally:
         client.close()

@@ -1,6 +1,7 @@
 """The one hinted-fetch component every engine adapter uses: which run it fetches, from whom,
-on every TP rank, and how it ends. Driven with the fakes of kvcr_core.testing (no socket, a
-manual clock)."""
+on every TP rank, and how it ends. Driven through the real RunnerService over an in-process
+Runner whose peers are other in-process Runners (kvcr_core.testing: no socket, a manual
+clock)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.attach import HintedFetcher, HintedRun, Skipped, hinted_run
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys
-from kvcr_core.peers import FetchStatus
 from kvcr_core.runner import Runner
-from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
+from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
+from kvcr_core.types import FetchStatus
 
 BLOCK = 4096
 A, B, C = "tcp://10.0.0.1:7500", "tcp://10.0.0.2:7500", "tcp://10.0.0.3:7500"
@@ -55,15 +56,17 @@ def test_every_tp_rank_fetches_its_own_shard_of_the_run() -> None:
     worse, loads a block whose other shards are missing)."""
     specs = [spec(0), spec(1)]
     here, clock = runner(), ManualClock()
-    clients = [FakeAttachClient(here, s, BLOCK, sources={A: stocked(specs, 6)},
-                                answer_after_polls=2) for s in specs]
+    service = ObservedRunner(in_process(here, specs, BLOCK, peers=LoopbackPeers(
+        {A: stocked(specs, 6)}, answer_after_polls=2)))
     keys = [keys_of(s, 8) for s in specs]
-    clients[0].store.store(keys[0][:2], [pattern_block(k, BLOCK) for k in keys[0][:2]])
-    fetcher = HintedFetcher(clients, frozenset({A}), 2.0, clock=clock)
+    stores = service.ops.stores
+    stores[0].store(keys[0][:2], [pattern_block(k, BLOCK) for k in keys[0][:2]])
+    fetcher = HintedFetcher(service, frozenset({A}), 2.0, clock=clock)
     have = fetcher.local_prefix(keys)
     assert have == 0  # rank 1 holds nothing yet: the shared prefix is empty
     fetch = fetcher.start(keys, hinted_run(have, [A] * 8))
     assert not isinstance(fetch, Skipped)
+    assert service.calls["peer_fetch"] == 1  # one ticket for both ranks
     assert fetch.poll() is None  # each rank's fetch answers at its second poll
     summary = fetch.poll()
     assert summary is not None and summary.run == HintedRun(A, 0, 8)
@@ -71,23 +74,23 @@ def test_every_tp_rank_fetches_its_own_shard_of_the_run() -> None:
         FetchStatus.MISSING,) * 2
     assert summary.statuses[1] == (FetchStatus.OK,) * 6 + (FetchStatus.MISSING,) * 2
     assert summary.fetched == 4 and summary.failed == 2
-    for client, rank_keys in zip(clients, keys, strict=True):
-        assert client.store.load(rank_keys[:6]) == [pattern_block(k, BLOCK)
-                                                    for k in rank_keys[:6]]
+    for store, rank_keys in zip(stores, keys, strict=True):
+        assert store.load(rank_keys[:6]) == [pattern_block(k, BLOCK) for k in rank_keys[:6]]
     assert fetcher.local_prefix(keys) == 6
 
 
 def test_a_source_that_is_not_a_peer_is_never_asked() -> None:
     """Risk: a hint makes kvcr dial an endpoint nobody configured."""
     here = runner()
-    client = FakeAttachClient(here, spec(0, 1), BLOCK, sources={A: None, C: None})
-    fetcher = HintedFetcher([client], frozenset({A}), 2.0)
+    client = ObservedRunner(in_process(here, spec(0, 1), BLOCK,
+                                       peers=LoopbackPeers({A: None, C: None})))
+    fetcher = HintedFetcher(client, frozenset({A}), 2.0)
     keys = [keys_of(spec(0, 1), 4)]
     assert fetcher.start(keys, hinted_run(0, [C] * 4)) is Skipped.NOT_ALLOWED
     assert fetcher.start(keys, None) is Skipped.NO_RUN
     assert client.calls["peer_fetch"] == 0
     # the Runner's own list is the last word: a peer the engine lists but the Runner does not
-    stranger = HintedFetcher([client], frozenset({B}), 2.0)
+    stranger = HintedFetcher(client, frozenset({B}), 2.0)
     assert stranger.start(keys, hinted_run(0, [B] * 4)) is Skipped.NOT_ALLOWED
 
 
@@ -95,8 +98,8 @@ def test_a_silent_peer_costs_at_most_the_deadline_and_a_lost_runner_ends_at_once
     """Risk: a request waits forever on a peer that never answers, or on a Runner that is
     gone (vLLM would ask again at every step)."""
     here, clock = runner(), ManualClock()
-    client = FakeAttachClient(here, spec(0, 1), BLOCK, sources={A: None})
-    fetcher = HintedFetcher([client], frozenset({A}), 2.0, clock=clock)
+    client = ObservedRunner(in_process(here, spec(0, 1), BLOCK, peers=LoopbackPeers({A: None})))
+    fetcher = HintedFetcher(client, frozenset({A}), 2.0, clock=clock)
     keys = [keys_of(spec(0, 1), 4)]
     fetch = fetcher.start(keys, hinted_run(0, [A] * 4))
     assert not isinstance(fetch, Skipped)

@@ -69,7 +69,7 @@ def test_a_runner_finds_and_fetches_what_its_peer_stored_without_any_hint(
     assert reader.lookup(keys) == 0
     found = eventually(lambda: reader.remote_run(keys))
     assert found == (a.peer_endpoint, 10)
-    fetcher = HintedFetcher([reader], frozenset({a.peer_endpoint}), 5.0)
+    fetcher = HintedFetcher(reader, frozenset({a.peer_endpoint}), 5.0)
     fetch = fetcher.start([keys], HintedRun(a.peer_endpoint, 0, 10))
     assert not isinstance(fetch, Skipped)
     assert fetch.wait().fetched == 10
@@ -91,7 +91,7 @@ def test_a_block_gone_at_the_source_is_a_miss_and_a_lost_peer_is_forgotten(
     writer.store(keys, [pattern_block(k, BLOCK) for k in keys])
     endpoint, n = eventually(lambda: reader.remote_run(keys))  # type: ignore[misc]
     assert writer.clear() == 8  # gone at the source after the directory named it
-    fetch = HintedFetcher([reader], frozenset({endpoint}), 5.0).start(
+    fetch = HintedFetcher(reader, frozenset({endpoint}), 5.0).start(
         [keys], HintedRun(endpoint, 0, n))
     assert not isinstance(fetch, Skipped)
     summary = fetch.wait()
@@ -127,7 +127,7 @@ def test_short_runs_are_not_offered_and_pull_on_miss_can_be_turned_off(
         client = AttachClient(b.socket_path, SPEC, BLOCK)
         assert eventually(lambda: client.remote_run(keys)) == (a.peer_endpoint, 5)
         client.close()
-        assert c.server.tenancy.directory is None
+        assert c.server.host.peers.directory is None
     finally:
         writer.close()
         for embedded in (a, b, c):

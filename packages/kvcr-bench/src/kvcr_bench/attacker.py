@@ -42,7 +42,7 @@ def _attach(path: str, spec: NamespaceSpec = SPEC) -> tuple[socket.socket, int, 
     sock.settimeout(10)
     sock.connect(path)
     sock.sendall(p.encode_frame(p.Hello(p.PROTOCOL_VERSION,
-                                        p.NamespaceFields(**dataclasses.asdict(spec)), BLOCK,
+                                        [p.NamespaceFields(**dataclasses.asdict(spec))], BLOCK,
                                         "attacker", os.getpid())))
     payload, fds = p.recv_frame(sock, max_fds=4)
     welcome = p.decode_server(payload)
@@ -127,7 +127,7 @@ def fd(path: str) -> None:
     _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
     while True:
         for attack in (lambda: os.ftruncate(pool_fd, 0),
-                       lambda: os.ftruncate(pool_fd, welcome.region_bytes * 2),
+                       lambda: os.ftruncate(pool_fd, welcome.pools[0].region_bytes * 2),
                        lambda: fcntl.fcntl(pool_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)):
             with contextlib.suppress(OSError):
                 attack()
@@ -136,10 +136,10 @@ def fd(path: str) -> None:
 
 def scribble(path: str) -> None:
     _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
-    with mmap.mmap(pool_fd, welcome.region_bytes) as mapped:
+    with mmap.mmap(pool_fd, welcome.pools[0].region_bytes) as mapped:
         junk = b"\xaa" * BLOCK
         while True:
-            at = random.randrange(welcome.capacity_slots) * welcome.stride_bytes
+            at = random.randrange(welcome.pools[0].capacity_slots) * welcome.pools[0].stride_bytes
             mapped[at:at + BLOCK] = junk
 
 

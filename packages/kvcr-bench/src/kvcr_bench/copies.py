@@ -20,7 +20,7 @@ from typing import Any
 
 from kvcr_core.blockcopy import SlotOwner
 from kvcr_core.checksums import block_checksum
-from kvcr_core.memory import HostRegion, RegionKind
+from kvcr_core.memory import HostRegion, RegionKind, SlotPool
 from kvcr_core.testing import random_keys
 from kvcr_core.types import BlockKey
 
@@ -43,8 +43,9 @@ def median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_copy(target: CopyTarget, block_bytes: int, total_bytes: int, reps: int,
-                 clear: Callable[[list[BlockKey]], None] | None = None) -> dict[str, Any]:
+def measure_copy(target: CopyTarget, pool: SlotPool, block_bytes: int, total_bytes: int,
+                 reps: int, clear: Callable[[list[BlockKey]], None] | None = None
+                 ) -> dict[str, Any]:
     """One table row. Without `clear`, each repetition writes fresh keys (the pool must hold
     `reps` times `total_bytes`)."""
     n = total_bytes // block_bytes
@@ -53,7 +54,6 @@ def measure_copy(target: CopyTarget, block_bytes: int, total_bytes: int, reps: i
     src = source.view
     src[:] = bytes(range(256)) * (len(src) // 256)
     sources = [src[i * block_bytes:(i + 1) * block_bytes] for i in range(n)]
-    pool = target.pool
     dst = pool.region.view
     order: list[int] = []
     keys: list[BlockKey] = []

@@ -85,10 +85,10 @@ def _copy_rows(total: int, reps: int, bar: tqdm) -> list[dict[str, Any]]:
         for block_bytes in BLOCK_SIZES:
             client = AttachClient(path, _spec(block_bytes), block_bytes, identity="bench")
             client.attach()
-            client.pool.region.prefault()
-            rows.append(measure_copy(client, block_bytes, total, reps))
+            client.pool().region.prefault()
+            rows.append(measure_copy(client, client.pool(), block_bytes, total, reps))
             client.flush()
-            if client.deferred_shortfalls:
+            if client.connection.deferred_shortfalls:
                 raise RuntimeError("a pipelined commit published nothing")
             client.close()
             bar.update()
@@ -119,7 +119,7 @@ def _attach_s(pool_bytes: int) -> tuple[float, float]:
             start = time.perf_counter()
             client.attach()
             times.append(time.perf_counter() - start)
-            assert client.pool.region.size_bytes >= pool_bytes - 2 * MIB
+            assert client.pool().region.size_bytes >= pool_bytes - 2 * MIB
             client.close()
     return times[0], times[1]
 

@@ -91,7 +91,7 @@ def _engine_round_trips(path: str, seconds: float, seed: int) -> tuple[list[floa
         else:
             fresh = random_keys(8, seed=seed * 100_000 + i)
             res = client.reserve(fresh)
-            view = client.pool.view
+            view = client.pool().view
             sums = []
             for key, slot in zip(fresh, res.slots, strict=True):
                 if slot is not None:
@@ -100,7 +100,7 @@ def _engine_round_trips(path: str, seconds: float, seed: int) -> tuple[list[floa
             client.commit(res.op, checksums=sums)
         samples.append(time.perf_counter() - start)
     lease = client.acquire(keys, prefix_only=False, checksums=True)
-    view = client.pool.view
+    view = client.pool().view
     held = [s for s in lease.slots if s is not None]  # the rest were evicted: fresh blocks
     intact = all(block_checksum(view(s)) == c  # came in all along
                  for s, c in zip(held, lease.checksums, strict=True))

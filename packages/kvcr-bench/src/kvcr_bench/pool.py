@@ -47,7 +47,7 @@ def _copy_row(block_bytes: int, total_bytes: int, reps: int) -> dict[str, Any]:
             with store.lock:
                 store.index.discard(keys)
 
-        return measure_copy(store, block_bytes, total_bytes, reps, clear)
+        return measure_copy(store, store.pool, block_bytes, total_bytes, reps, clear)
 
 
 def _filled_store(n_blocks: int) -> tuple[Runner, NamespaceStore, list[BlockKey]]:

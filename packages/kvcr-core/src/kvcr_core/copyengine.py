@@ -152,10 +152,9 @@ def block_pairs(planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence
 
 
 class Attachable(Protocol):
-    """What `PoolBinding` needs of an attachment (an `AttachClient`)."""
+    """What `PoolBinding` needs of an attachment (a `RunnerOps`: its first namespace)."""
 
-    @property
-    def pool(self) -> SlotPool: ...
+    def pool(self, ns: int = 0) -> SlotPool: ...
 
     @property
     def attach_count(self) -> int: ...
@@ -183,7 +182,7 @@ class PoolBinding:
     def use(self) -> Iterator[torch.Tensor]:
         """The rows of the current attachment (attaches if needed: RunnerUnavailable)."""
         with self._lock:
-            pool = self._client.pool
+            pool = self._client.pool()
             if self._rows is None or self._attach != self._client.attach_count:
                 self._drop()
                 failures = self.engine.pin_failures

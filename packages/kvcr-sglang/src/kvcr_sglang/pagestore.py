@@ -35,6 +35,7 @@ from kvcr_core.attach import (
     EngineSettings,
     HintedFetcher,
     HintedRun,
+    RunnerError,
     RunnerUnavailable,
     Skipped,
     hinted_run,
@@ -134,7 +135,7 @@ class PageStore:
         self.verify_loads = settings.runner.verify_loads
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
                                    timeout_s=settings.timeout_s, map_pages=True)
-        self.fetcher = HintedFetcher([self.client],
+        self.fetcher = HintedFetcher(self.client,
                                      settings.peer.peers if hinted else frozenset(),
                                      settings.peer.fetch_deadline_s)
         self.pull_on_miss = settings.peer.pull_on_miss
@@ -156,7 +157,7 @@ class PageStore:
             hits = self.client.lookup(keys)
             if hits < len(keys) and self.fetcher.peers:
                 hits = self._fetch_hinted(page_keys, keys, hits)
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("lookup", exc)
             hits = 0
         self.stats.hit_pages += hits
@@ -199,7 +200,7 @@ class PageStore:
     def present(self, page_keys: Sequence[str]) -> list[bool]:
         try:
             return self.client.contains([block_key(k) for k in page_keys])
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("contains", exc)
             return [False] * len(page_keys)
 
@@ -220,7 +221,7 @@ class PageStore:
                 if offset is not None:
                     self._copy(base + offset, segments, into_slot=True)
                     sums.append(self.checksum_at(offset))
-        except (RunnerUnavailable, ValueError) as exc:  # ValueError: a page of the wrong size
+        except (RunnerError, ValueError) as exc:  # ValueError: a page of the wrong size
             self.abort(op)
             self._fault("store", exc)
             return [False] * n
@@ -244,13 +245,13 @@ class PageStore:
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys],
                                         checksums=self.verify_loads)
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("read", exc)
             return [False] * n
         filled = [False] * n
         try:
             base = self._pool_address()
-            stride = self.client.pool.stride_bytes
+            stride = self.client.pool().stride_bytes
             for i, (slot, segments) in enumerate(zip(lease.slots, pages, strict=True)):
                 if slot is None:
                     break
@@ -259,11 +260,11 @@ class PageStore:
                     self.stats.corrupt_pages += 1
                     break  # changed in the pool since its commit: a miss from here on
                 filled[i] = True
-        except (RunnerUnavailable, ValueError) as exc:
+        except (RunnerError, ValueError) as exc:
             self._fault("read", exc)
             filled = [False] * n
         finally:
-            with contextlib.suppress(RunnerUnavailable):  # a dead connection's leases are
+            with contextlib.suppress(RunnerError):  # a dead connection's leases are
                 self.client.release_nowait(lease.op)  # reclaimed by the daemon
         done = sum(filled)
         self.stats.read_pages += done
@@ -278,7 +279,7 @@ class PageStore:
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys],
                                         checksums=self.verify_loads)
-            stride = self.client.pool.stride_bytes
+            stride = self.client.pool().stride_bytes
             offsets = [int(slot) * stride for slot in lease.slots if slot is not None]
             if lease.granted < len(page_keys) or (self.verify_loads and any(
                     self.checksum_at(o) != s for o, s in zip(offsets, lease.checksums,
@@ -286,7 +287,7 @@ class PageStore:
                 self.stats.corrupt_pages += lease.granted == len(page_keys)
                 self.client.release_nowait(lease.op)
                 return None
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("read", exc)
             return None
         return lease.op, offsets
@@ -296,8 +297,8 @@ class PageStore:
         already kept, pages refused); `commit` after copying every granted page."""
         try:
             res = self.client.reserve([block_key(k) for k in page_keys])
-            stride = self.client.pool.stride_bytes
-        except RunnerUnavailable as exc:
+            stride = self.client.pool().stride_bytes
+        except RunnerError as exc:
             self._fault("store", exc)
             return None
         return res.op, [None if s is None else int(s) * stride for s in res.slots], res.refused
@@ -307,7 +308,7 @@ class PageStore:
         `checksum_at` right after its copy); False if not all of it was published."""
         try:
             published = self.client.commit(OpId(op), checksums=checksums)
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("store", exc)
             return False
         self.stats.stored_pages += published
@@ -315,15 +316,15 @@ class PageStore:
 
     def checksum_at(self, offset: int) -> int:
         """The checksum of the block at byte `offset` of the mapped pool."""
-        return block_checksum(self.client.pool.region.view[offset:offset + self.block_bytes])
+        return block_checksum(self.client.pool().region.view[offset:offset + self.block_bytes])
 
     def abort(self, op: int) -> None:
-        with contextlib.suppress(RunnerUnavailable):
+        with contextlib.suppress(RunnerError):
             self.client.abort(OpId(op))
 
     def unlease(self, op: int, pages: int) -> None:
         self.stats.read_pages += pages
-        with contextlib.suppress(RunnerUnavailable):
+        with contextlib.suppress(RunnerError):
             self.client.release_nowait(OpId(op))
 
     def _copy(self, slot_address: int, segments: Segments, *, into_slot: bool) -> None:
@@ -335,7 +336,7 @@ class PageStore:
 
     def _pool_address(self) -> int:
         """The mapped pool's base address, refreshed after a re-attach."""
-        pool = self.client.pool  # attaches if needed; RunnerUnavailable if it cannot
+        pool = self.client.pool()  # attaches if needed; RunnerError if it cannot
         with self._base_lock:
             count = self.client.attach_count
             if self._base is None or self._base[0] != count:
@@ -353,7 +354,7 @@ class PageStore:
         """Drops this namespace's pages (SGLang's `clear`); 0 when kvcr is unavailable."""
         try:
             return self.client.clear()
-        except RunnerUnavailable as exc:
+        except RunnerError as exc:
             self._fault("clear", exc)
             return 0
 

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcr_core.attach import AttachClient, Mode, probe_status
+from kvcr_core.attach import AttachClient, Mode, RunnerOps, probe_status
 from kvcr_vllm import SUPPORTED_VLLM_TEXT, supports_vllm
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvcr_core.attach import EmbeddedRunner
+    from kvcr_vllm.scheduler import KVCRConnectorScheduler
 
 log = logging.getLogger("kvcr_vllm")
 STARTUP_ATTACH_TIMEOUT_S = 60.0  # a Runner opening (and prefaulting) a large namespace pool
@@ -89,30 +92,12 @@ class KVCRConnector(KVConnectorBase_V1):
         self.stats = StatsRecorder()
         block_bytes = block_bytes_for(kv_cache_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._scheduler = None
+        self._scheduler: KVCRConnectorScheduler | None = None
         self._worker = None
-        self._embedded = None
+        self._embedded: EmbeddedRunner | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvcr_vllm.scheduler import KVCRConnectorScheduler
-
-            if transfer.kv_load_failure_policy != "recompute":
-                log.info("kvcr: kv_load_failure_policy=recompute (a cache fault must never "
-                         "fail a request)")
-                transfer.kv_load_failure_policy = "recompute"
-            if self.settings.mode is Mode.EMBEDDED:
-                from kvcr_core.attach import EmbeddedRunner
-
-                self._embedded = EmbeddedRunner(self.settings)
-            elif self.settings.router_hint is not None:
-                self._check_guard_endpoint(dp_rank or 0)
-            specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
-            events = vllm_config.kv_events_config
-            self._scheduler = KVCRConnectorScheduler(
-                self.settings, specs, block_bytes, self.stats, engine_id,
-                peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
-                publish_events=bool(events is not None and events.enable_kv_cache_events),
-                synchronous_loads=vllm_config.device_config.device_type == "cpu")
-            attach_at_start(self._scheduler.clients, self.settings.socket)
+            self._scheduler = self._start_scheduler(vllm_config, block_bytes, engine_id,
+                                                    dp_rank or 0)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -122,6 +107,38 @@ class KVCRConnector(KVConnectorBase_V1):
             self._worker = KVCRConnectorWorker(
                 self.settings, namespace_for(vllm_config, rank), rank, block_bytes,
                 kv_cache_config.num_blocks, self.stats, engine_id)
+
+    def _start_scheduler(self, vllm_config: VllmConfig, block_bytes: int, engine_id: str,
+                         dp_rank: int) -> KVCRConnectorScheduler:
+        """The scheduler side, with one `RunnerOps` for every TP rank's namespace: the
+        embedded Runner started here, called in-process; or kvcr-guard's, attached now."""
+        from kvcr_vllm.scheduler import KVCRConnectorScheduler
+
+        transfer = self._kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            log.info("kvcr: kv_load_failure_policy=recompute (a cache fault must never "
+                     "fail a request)")
+            transfer.kv_load_failure_policy = "recompute"
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
+        identity = self.settings.identity or f"vllm-scheduler-{engine_id[:12]}"
+        runner: RunnerOps | None = None
+        if self.settings.mode is Mode.EMBEDDED:
+            from kvcr_core.attach import EmbeddedRunner
+
+            self._embedded = EmbeddedRunner(self.settings)
+            runner = self._embedded.service(specs, block_bytes, identity=identity)
+        elif self.settings.router_hint is not None:
+            self._check_guard_endpoint(dp_rank)
+        events = vllm_config.kv_events_config
+        scheduler = KVCRConnectorScheduler(
+            self.settings, specs, block_bytes, self.stats, engine_id, runner=runner,
+            peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
+            publish_events=bool(events is not None and events.enable_kv_cache_events),
+            synchronous_loads=vllm_config.device_config.device_type == "cpu")
+        if isinstance(scheduler.runner, AttachClient):
+            attach_at_start([scheduler.runner], self.settings.socket)
+        return scheduler
 
     def _check_guard_endpoint(self, dp_rank: int) -> None:
         """Guarded mode with Dynamo's hint capability: warn when the advertised control port
@@ -168,7 +185,7 @@ class KVCRConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         assert self._worker is not None
-        return self._worker.loads_done()
+        return self._worker.report()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:

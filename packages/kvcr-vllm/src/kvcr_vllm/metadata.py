@@ -19,7 +19,7 @@ class LoadPlan:
     """Copy pool slots into vLLM blocks; `failed_block_ids` could not be leased (recompute).
     `checksums_by_rank`: each slot's committed checksum, when loads are verified.
     `synchronous`: the request runs in the step that loads it (the copy precedes the
-    forward pass; the workers report it done in `LoadsDone`), else it waits in vLLM's
+    forward pass; the workers report it done in their `WorkerReport`), else it waits in vLLM's
     WAITING_FOR_REMOTE_KVS until the workers report it through `get_finished`."""
 
     req_id: str
@@ -47,14 +47,20 @@ class KVCRConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclasses.dataclass
-class LoadsDone(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the requests whose synchronous loads this step copied. vLLM hands
-    the scheduler one step's metadata only once every TP rank finished that step, so the
-    union over ranks is complete: the scheduler then releases the loads' leases."""
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, with a step's output: the requests whose synchronous loads this
+    step copied (`loads_done`), and the keys whose saves each worker committed since its last
+    report (`saved_keys`, every rank's namespace keys together). `suspect`: a worker's
+    connection re-attached, or learnt that a commit it reported published nothing: what was
+    reported saved before may not all be in kvcr. vLLM hands the scheduler one step's
+    reports once every TP rank finished that step, aggregated (`aggregate`: the union)."""
 
-    req_ids: frozenset[str] = frozenset()
+    loads_done: frozenset[str] = frozenset()
+    saved_keys: frozenset[bytes] = frozenset()
+    suspect: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, LoadsDone):
+        if not isinstance(other, WorkerReport):
             return self
-        return LoadsDone(self.req_ids | other.req_ids)
+        return WorkerReport(self.loads_done | other.loads_done,
+                            self.saved_keys | other.saved_keys, self.suspect or other.suspect)

@@ -12,7 +12,8 @@ the host never waits). Each save is committed with its blocks' checksums (hashed
 slots, every layer in) only once its step's job completed, polled at each hook, never waited
 for in the forward: a block is READY only after all its bytes landed. A save whose copy fails,
 or whose attachment changed under it (its slots belong to an earlier mapping), is aborted,
-never published.
+never published. The keys committed go to the scheduler in the worker's next report
+(`take_report`), as loads do: saves report back, nothing polls.
 
 Threading: vLLM's worker thread only.
 """
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvcr_core import BlockKey, OpId, Reservation, SlotId
-from kvcr_core.attach import AttachClient, Handle, RunnerUnavailable
+from kvcr_core.attach import Handle, RunnerError, RunnerOps, RunnerUnavailable
 from kvcr_core.checksums import block_checksum
 from kvcr_core.copyengine import CopyFailed, CopyJob, PoolBinding, block_pairs
 from kvcr_vllm.metadata import KVCRConnectorMetadata, SavePlan
@@ -47,6 +48,7 @@ class _Save:
     op: OpId | None = None
     blocks: tuple[int, ...] = ()
     slots: tuple[int, ...] = ()
+    keys: tuple[bytes, ...] = ()  # of the granted blocks
     failed: bool = False
 
 
@@ -63,7 +65,7 @@ class _Step:
 
 
 class SavePipeline:
-    def __init__(self, client: AttachClient, binding: PoolBinding,
+    def __init__(self, client: RunnerOps, binding: PoolBinding,
                  layers: dict[str, list[Plane]], tp_rank: int, block_tokens: int,
                  stats: StatsRecorder) -> None:
         self.client = client
@@ -75,6 +77,8 @@ class SavePipeline:
         self.stats = stats
         self._step: _Step | None = None
         self._pending: collections.deque[_Step] = collections.deque()
+        self._saved: list[bytes] = []  # keys committed since the last report
+        self._reported_attach = -1  # the attachment the last report was about
 
     @property
     def in_flight(self) -> int:
@@ -160,6 +164,15 @@ class SavePipeline:
                 step.job.wait()  # a failure is handled by the poll
         self.poll()
 
+    def take_report(self) -> tuple[list[bytes], bool]:
+        """The keys committed since the last call, and whether the attachment changed since
+        (then what was reported before may be gone with the old one)."""
+        saved, self._saved = self._saved, []
+        attach = self.client.attach_count
+        suspect = self._reported_attach not in (-1, attach)
+        self._reported_attach = attach
+        return saved, suspect
+
     # -- pieces --------------------------------------------------------------------------------
 
     def _resolve(self, step: _Step) -> None:
@@ -178,10 +191,12 @@ class SavePipeline:
             save.op = res.op
             if res.refused:
                 self.stats.failure("save_refused", res.refused)
-            pairs = [(b, s) for b, s in zip(save.plan.block_ids, res.slots, strict=True)
-                     if s is not None]
-            if pairs:
-                save.blocks, save.slots = (tuple(x) for x in zip(*pairs, strict=True))
+            keys = save.plan.keys_by_rank[self.tp_rank]
+            granted = [(b, s, k) for b, s, k in zip(save.plan.block_ids, res.slots, keys,
+                                                     strict=True) if s is not None]
+            if granted:
+                save.blocks, save.slots, save.keys = (tuple(x) for x in zip(*granted,
+                                                                             strict=True))
 
     def _copy(self, step: _Step, planes: list[Plane]) -> None:
         """Issues one engine call for every live save of the step (one wait on vLLM's stream
@@ -198,7 +213,7 @@ class SavePipeline:
                             raise RunnerUnavailable("reattached", "its slots are gone")
                         pairs += block_pairs(planes, rows, save.blocks, save.slots,
                                              into_pool=True)
-                    except (RunnerUnavailable, ValueError) as exc:
+                    except (RunnerError, ValueError) as exc:
                         self._fail(save, exc)
                 self.engine.copy(pairs)
         except Exception as exc:
@@ -210,12 +225,13 @@ class SavePipeline:
         try:
             if save.attach != self.client.attach_count:
                 raise RunnerUnavailable("reattached", "its slots are gone")
-            view = self.client.pool.view  # every layer copied: the blocks are whole
+            view = self.client.pool().view  # every layer copied: the blocks are whole
             sums = [block_checksum(view(SlotId(slot))) for slot in save.slots]
             self.client.commit_nowait(save.op, checksums=sums)
         except Exception as exc:
             self._fail(save, exc)
             return
+        self._saved += save.keys
         self.stats.add("stored_blocks", len(save.blocks))
         self.stats.add("stored_tokens", len(save.blocks) * self.block_tokens)
 
@@ -227,12 +243,12 @@ class SavePipeline:
         if count:
             save_failed(self.stats, save.plan, exc)
         if save.op is not None:
-            with contextlib.suppress(RunnerUnavailable):
+            with contextlib.suppress(RunnerError):
                 self.client.abort(save.op)
 
 
 def save_failed(stats: StatsRecorder, plan: SavePlan, exc: BaseException) -> None:
-    if isinstance(exc, RunnerUnavailable):
+    if isinstance(exc, RunnerError):
         stats.failure("guard_unavailable")
     else:
         log.error("kvcr save of %s failed (%s); nothing was published", plan.req_id, exc)

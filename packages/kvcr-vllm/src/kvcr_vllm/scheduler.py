@@ -18,50 +18,40 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
   the partial last block never) are planned; each worker reserves, copies and commits them
   itself right after that step's forward pass, so KV is reusable by other engines while the
   request still decodes, and a finished request's blocks can be freed at once.
-- Hints: a hint (vLLM's `Request.kv_hints`, as Dynamo sends it, or
-  `kv_transfer_params["kv_hint"]`) naming an allowed peer (`peers`) makes the scheduler
-  fetch the hinted blocks that extend kvcr's local prefix into every rank's namespace (core's
-  `HintedFetcher`: the Runner, embedded or in kvcr-guard, fetches by ticket), answering "ask
-  again" (None) until the fetch ends, which it does by `fetch_deadline_s`; then the normal
-  lookup and load follow (no lookup when the fetch completed the prompt: the lease checks).
-  A hint naming any other endpoint is refused and counted. Hinted
-  hashes are matched per block under `hint_hash_scheme` (kvcr_vllm.request_hints); hashes
-  that name no block of the request are counted and never fetched.
-- Pull on miss (`pull_on_miss`, on where `peers` are set; requests without a hint): when
-  kvcr's local prefix stops short of the prompt, the scheduler asks the Runner once which
-  peer holds the longest run of the blocks after it (the Runner follows its peers'
-  inventories) and fetches that run the same way; a hint, when present, wins.
-- Events: with vLLM's KV events on, the blocks this engine saves or fetches are announced
-  as a host tier (`CPU_PINNED`) once READY, and as removed once kvcr evicted them
-  (kvcr_vllm.pool_events), so a KV-aware router credits kvcr's pool.
+- The Runner: one `RunnerOps` for every TP rank's namespace: the embedded Runner in-process,
+  or kvcr-guard through one `AttachClient`; a lookup, a lease and a peer fetch each cover
+  every rank in one call (one round trip in guarded mode, whatever the TP size).
+- Hints and pull on miss (kvcr_vllm.fetches): a hint (vLLM's `Request.kv_hints`, as Dynamo
+  sends it, or `kv_transfer_params["kv_hint"]`) naming an allowed peer makes the scheduler
+  fetch the hinted blocks that extend kvcr's local prefix into every rank's namespace,
+  answering "ask again" (None) until the fetch ends, which it does by `fetch_deadline_s`;
+  without a hint, when kvcr's local prefix stops short of the prompt, the run a followed peer
+  holds. Then the normal lookup and load follow (no lookup when the fetch completed the
+  prompt: the lease checks).
+- Saves report back like loads: each worker's `WorkerReport` (vLLM's worker metadata) names
+  the keys it committed; with vLLM's KV events on, those blocks (READY on every rank) and
+  the blocks fetched from peers are announced as a host tier (`CPU_PINNED`), and announced
+  removed as the Runner's inventory log says kvcr evicted them (kvcr_vllm.pool_events), so a
+  KV-aware router credits kvcr's pool.
 - Faults (daemon down, eviction races) degrade to recompute and are counted by reason.
 Threading: vLLM calls these from its scheduler thread only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvcr_core.attach import (
-    AttachClient,
-    FetchSummary,
-    HintedFetch,
-    HintedFetcher,
-    HintedRun,
-    RunnerUnavailable,
-    Skipped,
-    hinted_run,
-)
-from kvcr_core.hints import FetchAction, HintIntake, HintLimits, KVHint
+from kvcr_core.attach import AttachClient, FetchSummary, RunnerError, RunnerOps
+from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
-from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone, SavePlan
+from kvcr_vllm.fetches import RequestFetches, RequestState
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan, WorkerReport
 from kvcr_vllm.pool_events import PoolEvents
-from kvcr_vllm.request_hints import block_hint_hashes, raw_hint
+from kvcr_vllm.request_hints import raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
@@ -73,26 +63,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcr_vllm")
-
-
-@dataclasses.dataclass
-class _RequestState:
-    request: Request
-    bypass: str | None
-    hint: KVHint | None = None
-    keys: list[list[BlockKey]] = dataclasses.field(default_factory=list)  # per rank
-    keyed_blocks: int = 0
-    local_tokens: int = 0  # vLLM's block-aligned local hit at the last lookup
-    loading_ops: list[OpId] | None = None  # leases per rank while a load runs
-    loaded_tokens: int = 0
-    fetch: HintedFetch | None = None  # a hinted (or pulled) peer fetch in flight
-    fetched_through: int = 0  # a fetch just made blocks [0, this) READY on every rank
-    hint_done: bool = False
-    pulling: bool = False  # the fetch in flight is a pull on miss
-    pull_tried: bool = False
-    block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
-    planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
-    finished: bool = False
 
 
 def bypass_reason(request: Request) -> str | None:
@@ -108,18 +78,20 @@ def bypass_reason(request: Request) -> str | None:
     return None
 
 
+
+
 class KVCRConnectorScheduler:
     def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
-                 peer_endpoint: str | None = None,
-                 clients: Sequence[AttachClient] | None = None,
+                 peer_endpoint: str | None = None, runner: RunnerOps | None = None,
                  publish_events: bool = False, synchronous_loads: bool = False,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        """One attach client per TP rank's namespace (`clients`: given by tests; `clock` and
-        `sleep` too, for the fetch waits); the
-        embedded Runner's `peer_endpoint` is reported in each finished request's params;
-        `publish_events`: announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
+        """`runner`: the Runner's operations for every rank's namespace, in rank order (the
+        embedded Runner in-process; tests give theirs); None: kvcr-guard's, through one
+        `AttachClient`. `clock` and `sleep` time the fetch waits; the embedded Runner's
+        `peer_endpoint` is reported in each finished request's params; `publish_events`:
+        announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
         `synchronous_loads`: load in the step that runs the request (host KV caches)."""
         self.settings = settings
         self.specs = specs
@@ -127,35 +99,33 @@ class KVCRConnectorScheduler:
         self.block_bytes = block_bytes
         self.stats = stats
         identity = settings.identity or f"vllm-scheduler-{engine_id[:12]}"
-        self.clients = list(clients) if clients is not None else [
-            AttachClient(settings.socket, spec, block_bytes, identity=identity,
-                         timeout_s=settings.timeout_s) for spec in specs]
-        self.fetcher = HintedFetcher(self.clients, settings.peer.peers,
-                                     settings.peer.fetch_deadline_s, clock=clock)
-        self._sleep = sleep
+        self.runner: RunnerOps = runner if runner is not None else AttachClient(
+            settings.socket, specs, block_bytes, identity=identity, timeout_s=settings.timeout_s)
+        self.fetches = RequestFetches(settings, self.runner, stats, block_bytes, len(specs),
+                                      clock, sleep, self._fetched)
         self.peer_endpoint = peer_endpoint
         self.synchronous_loads = synchronous_loads
-        runner = settings.runner
-        self.hints = HintIntake(stats, HintLimits(max_actions=runner.max_hint_actions,
-                                                  max_hashes=runner.max_hint_hashes,
-                                                  max_bytes=runner.max_hint_bytes))
-        self._requests: dict[str, _RequestState] = {}
+        runner_config = settings.runner
+        self.hints = HintIntake(stats, HintLimits(max_actions=runner_config.max_hint_actions,
+                                                  max_hashes=runner_config.max_hint_hashes,
+                                                  max_bytes=runner_config.max_hint_bytes))
+        self._requests: dict[str, RequestState] = {}
         self._pending_loads: list[LoadPlan] = []
-        self.events = PoolEvents(self.clients, self.block_size, clock=clock) \
+        self.events = PoolEvents(self.runner, self.block_size, clock=clock) \
             if publish_events else None
 
     # -- keys ----------------------------------------------------------------------------------
 
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _RequestState(request, bypass_reason(request))
+            state = RequestState(request, bypass_reason(request))
             self._requests[request.request_id] = state
             if state.bypass:
                 self.stats.count("bypassed", state.bypass)
         return state
 
-    def _keys(self, state: _RequestState, n_blocks: int) -> list[list[BlockKey]]:
+    def _keys(self, state: RequestState, n_blocks: int) -> list[list[BlockKey]]:
         """Keys of the first `n_blocks` blocks per rank, extended incrementally."""
         if n_blocks > state.keyed_blocks:
             bs = self.block_size
@@ -168,6 +138,9 @@ class KVCRConnectorScheduler:
                 chain.extend(block_keys(parent, tokens, bs))
             state.keyed_blocks = len(state.keys[0])
         return [chain[:n_blocks] for chain in state.keys]
+
+    def _prompt_keys(self, state: RequestState) -> list[list[BlockKey]]:
+        return self._keys(state, state.request.num_tokens // self.block_size)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -184,8 +157,7 @@ class KVCRConnectorScheduler:
         state = self._state(request)
         if state.bypass or not self.settings.load:
             return 0, False
-        if (state.fetch is not None or (state.hint is not None and not state.hint_done)) \
-                and self._fetch_pending(state):
+        if state.wants_fetch and self.fetches.pending(state, lambda: self._prompt_keys(state)):
             return None, False  # a peer fetch runs: ask again next step (bounded by deadline)
         bs = self.block_size
         # A hit may cover the whole prompt: after an async load vLLM recomputes the last
@@ -200,13 +172,14 @@ class KVCRConnectorScheduler:
             hit = n_blocks  # a fetch just completed the prompt: no lookup (the lease checks)
         else:
             try:
-                hit = min(c.lookup(k) for c, k in zip(self.clients, keys, strict=True))
-            except RunnerUnavailable:
+                hit = self.runner.lookup_all(keys)
+            except RunnerError:
                 self.stats.failure("guard_unavailable")
                 return 0, False
         self.stats.add("lookups")  # (the alerts' denominator: one per decision either way)
-        if hit < n_blocks and self._may_pull(state) and self._start_pull(state, keys, hit):
-            if self._waited_pending(state):
+        if hit < n_blocks and self.fetches.may_pull(state) and \
+                self.fetches.start_pull(state, keys, hit):
+            if self.fetches.waited(state):
                 return None, False  # pulling the run a peer holds: ask again next step
             return self.get_num_new_matched_tokens(request, num_computed_tokens)
         if hit <= local_blocks:
@@ -216,104 +189,11 @@ class KVCRConnectorScheduler:
             return min(hit * bs, request.num_tokens - 1) - num_computed_tokens, False
         return hit * bs - num_computed_tokens, True
 
-    # -- hints -------------------------------------------------------------------------------
-
-    def _fetch_pending(self, state: _RequestState) -> bool:
-        """Starts (hints) or polls the peer fetch of blocks that extend kvcr's local prefix."""
-        if state.fetch is None:
-            state.fetch = self._start_fetch(state)
-            if state.fetch is None:
-                state.hint_done = True
-                return False
-            return self._waited_pending(state)
-        summary = state.fetch.poll()
-        if summary is None:
-            return True
-        self._fetch_ended(state, summary)
-        return False
-
-    def _waited_pending(self, state: _RequestState) -> bool:
-        """Right after a fetch started: blocks up to `fetch_wait_s` for it to end, so a short
-        fetch is loaded in this step rather than found done a step or more later (and the
-        Runner's fetching thread is not starved of the GIL by the engine's busy loop)."""
-        assert state.fetch is not None
-        if self.settings.fetch_wait_s <= 0:
-            return True
-        summary = state.fetch.wait_for(self.settings.fetch_wait_s, self._sleep)
-        if summary is None:
-            self.stats.add("fetch_wait_expired")
-            return True
-        self._fetch_ended(state, summary)
-        return False
-
-    def _fetch_ended(self, state: _RequestState, summary: FetchSummary) -> None:
-        state.fetch = None
-        state.hint_done = True
-        # the run extended the local prefix: with nothing failed, READY through its end
-        state.fetched_through = summary.run.end if not summary.failed else 0
-        if self.events is not None and summary.fetched:
-            run = summary.run
-            self.events.track(state.request, run.start, run.end, self._keys(state, run.end))
-        if state.pulling:
-            self.stats.add("pulled_blocks", summary.fetched)
-            self.stats.add("pulled_bytes", summary.fetched * self.block_bytes * len(self.specs))
-        else:
-            self.stats.add("peer_fetched_blocks", summary.fetched)
-        if summary.failed:
-            self.stats.failure("peer_fetch", summary.failed)
-
-    def _may_pull(self, state: _RequestState) -> bool:
-        return (self.settings.peer.pull_on_miss and bool(self.fetcher.peers)
-                and state.hint is None and not state.pull_tried)
-
-    def _start_pull(self, state: _RequestState, keys: list[list[BlockKey]], have: int) -> bool:
-        """Asks the Runner which peer holds the longest run after `have` blocks (once per
-        request) and starts fetching it; False if no run worth it (nothing to wait for)."""
-        state.pull_tried = True
-        try:
-            found = self.clients[0].remote_run(keys[0][have:])
-        except RunnerUnavailable:
-            self.stats.failure("guard_unavailable")
-            return False
-        if found is None:
-            return False
-        endpoint, n = found
-        started = self.fetcher.start(keys, HintedRun(endpoint, have, have + n))
-        if isinstance(started, Skipped):
-            self.stats.failure("guard_unavailable" if started is Skipped.UNAVAILABLE
-                               else "peer_not_allowed")
-            return False
-        self.stats.add("pull_lookups")
-        state.fetch, state.pulling = started, True
-        return True
-
-    def _start_fetch(self, state: _RequestState) -> HintedFetch | None:
-        assert state.hint is not None
-        # A source that is this engine's own endpoint (kvcr-guard's, shared by the node's
-        # engines) holds nothing kvcr lacks here: the normal lookup finds its blocks.
-        own = self.settings.advertised_endpoint
-        fetches = [f for f in state.hint.fetches if f.source_endpoint != own]
-        allowed = [f for f in fetches if f.source_endpoint in self.fetcher.peers]
-        if not allowed:
-            if fetches:
-                self.stats.failure("peer_not_allowed")
-            return None
-        keys = self._keys(state, state.request.num_tokens // self.block_size)
-        hashes = block_hint_hashes(self.settings.hint_hashes, state.request, keys[0])
-        unmatched = len(allowed[0].block_hashes.difference(hashes))
-        if unmatched:
-            self.stats.add("hint_unmatched_blocks", unmatched)  # named no block of this request
-        try:
-            have = self.fetcher.local_prefix(keys)  # (also opens the namespaces on first use)
-        except RunnerUnavailable:
-            self.stats.failure("guard_unavailable")
-            return None
-        started = self.fetcher.start(keys, hinted_run(have, _sources(allowed[0], hashes[have:])))
-        if started is Skipped.NOT_ALLOWED:
-            self.stats.failure("peer_not_allowed")
-        elif started is Skipped.UNAVAILABLE:
-            self.stats.failure("guard_unavailable")
-        return None if isinstance(started, Skipped) else started
+    def _fetched(self, state: RequestState, summary: FetchSummary) -> None:
+        """A fetch made blocks READY: announce those every rank holds now."""
+        if self.events is not None:
+            self.events.fetched(state.request, summary.run.start,
+                                self._keys(state, summary.run.end), summary.statuses)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -325,20 +205,15 @@ class KVCRConnectorScheduler:
         count = -(-num_external_tokens // bs)
         block_ids = blocks.get_block_ids()[0][first:first + count]
         keys = [k[first:first + count] for k in self._keys(state, first + count)]
-        ops: list[OpId] = []
-        slots: list[tuple[int | None, ...]] = []
-        sums: list[tuple[int, ...]] = []
         verify = self.settings.runner.verify_loads
         try:
-            for client, rank_keys in zip(self.clients, keys, strict=True):
-                lease = client.acquire(rank_keys, checksums=verify)
-                ops.append(lease.op)
-                slots.append(lease.slots)
-                sums.append(lease.checksums)
-        except RunnerUnavailable:
+            leases = self.runner.acquire_all(keys, checksums=verify)
+            ops = [lease.op for lease in leases]
+            slots = [lease.slots for lease in leases]
+            sums = [lease.checksums for lease in leases]
+        except RunnerError:
             self.stats.failure("guard_unavailable")
-            self._release_all(ops)
-            ops, slots = [], [(None,) * count for _ in self.clients]
+            ops, slots, sums = [], [(None,) * count for _ in self.specs], []
         granted = min(next((i for i, s in enumerate(r) if s is None), len(r)) for r in slots)
         if granted < len(block_ids):
             self.stats.failure("evicted_before_load", len(block_ids) - granted)
@@ -375,7 +250,7 @@ class KVCRConnectorScheduler:
                 self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
         return meta
 
-    def _plan_saves(self, state: _RequestState, tokens_done: int,
+    def _plan_saves(self, state: RequestState, tokens_done: int,
                     meta: KVCRConnectorMetadata) -> None:
         """Plans the full blocks this step completes that kvcr may lack."""
         if state.bypass:
@@ -390,11 +265,15 @@ class KVCRConnectorScheduler:
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
         if self.events is not None:
-            self.events.track(state.request, first, full, keys)
+            self.events.planned(state.request, first, full, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        done = getattr(output, "kv_connector_worker_meta", None)
-        loaded = done.req_ids if isinstance(done, LoadsDone) else ()
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(report, WorkerReport):
+            report = None
+        if report is not None and self.events is not None:
+            self.events.saved(report.saved_keys, suspect=report.suspect)
+        loaded = report.loads_done if report is not None else ()
         for req_id in (*(output.finished_recving or ()), *loaded):
             state = self._requests.get(req_id)
             if state is None:
@@ -434,24 +313,11 @@ class KVCRConnectorScheduler:
         return events
 
     def _release_all(self, ops: list[OpId]) -> None:
-        for client, op in zip(self.clients, ops, strict=False):
+        for ns, op in enumerate(ops):
             try:
-                client.release_nowait(op)
-            except RunnerUnavailable:
+                self.runner.release_nowait(op, ns)
+            except RunnerError:
                 self.stats.failure("guard_unavailable")
 
     def shutdown(self) -> None:
-        for client in self.clients:
-            client.close()
-
-
-def _sources(action: FetchAction, hashes: Sequence[int | None]) -> list[str | None]:
-    """The hinted source of each block (by its hint hash), up to the first one the hint
-    leaves out."""
-    hinted = action.block_hashes
-    sources: list[str | None] = []
-    for block_hash in hashes:
-        if block_hash is None or block_hash not in hinted:
-            break
-        sources.append(action.source_endpoint)
-    return sources
+        self.runner.close()

@@ -8,8 +8,8 @@ Copies go through a copy engine (kvcr_core.copyengine), chosen from the KV tenso
 - CPU: inline, at memcpy speed (measured here: a separate copy thread ran 5-100x slower,
   starved by the engine's OpenMP threads; inline, 32 MiB move in ~5 ms). Loads are
   synchronous: `start_load_kv` copies before the forward pass of the very step that runs the
-  request, and reports them done through `loads_done`; saves run in `wait_for_save` after the
-  forward wrote the step's KV.
+  request, and reports them done in its `WorkerReport` (with the saves it committed); saves
+  run in `wait_for_save` after the forward wrote the step's KV.
 - CUDA: the pool mapping pinned, copies on kvcr's own stream; saves layer by layer through
   `save_kv_layer`, overlapping the forward (`saves.SavePipeline`); loads asynchronous (the
   request waits in WAITING_FOR_REMOTE_KVS), reported through `get_finished`.
@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvcr_core import SlotId
-from kvcr_core.attach import AttachClient, RunnerUnavailable
+from kvcr_core.attach import AttachClient, RunnerError
 from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.copyengine import (
     CopyEngine,
@@ -42,7 +42,7 @@ from kvcr_core.copyengine import (
     engine_for,
 )
 from kvcr_core.keys import NamespaceSpec
-from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, LoadsDone
+from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, WorkerReport
 from kvcr_vllm.saves import SavePipeline, save_failed
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -118,7 +118,7 @@ class KVCRConnectorWorker:
         self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
                                    self.block_tokens, self.stats)
         if engine.asynchronous:  # pin now, at start-up, not in the first step's copies
-            with contextlib.suppress(RunnerUnavailable), self._binding.use():
+            with contextlib.suppress(RunnerError), self._binding.use():
                 pass  # (an embedded Runner may not be up yet: then the first copy pins)
         log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
                  self.tp_rank, len(self._planes), offset, type(engine).__name__,
@@ -172,10 +172,14 @@ class KVCRConnectorWorker:
         recving, self._done_recving = self._done_recving, set()
         return None, recving or None
 
-    def loads_done(self) -> LoadsDone | None:
-        """The synchronous loads this step copied (or failed: their blocks are load errors)."""
+    def report(self) -> WorkerReport | None:
+        """The synchronous loads this step copied (or failed: their blocks are load errors)
+        and the keys this worker committed since its last report (None: nothing to say)."""
         done, self._done_sync = self._done_sync, set()
-        return LoadsDone(frozenset(done)) if done else None
+        saved, suspect = self._saves.take_report() if self._saves is not None else ((), False)
+        if not (done or saved or suspect):
+            return None
+        return WorkerReport(frozenset(done), frozenset(saved), suspect)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -189,9 +193,8 @@ class KVCRConnectorWorker:
         if self._saves is not None:
             self._saves.drain()
         self._poll_loads()
-        with contextlib.suppress(RunnerUnavailable):
-            if self.client.attached:
-                self.client.flush()  # the last commits/releases reach the Runner
+        with contextlib.suppress(RunnerError):
+            self.client.flush()  # the last commits/releases reach the Runner
         if self._binding is not None:
             self._binding.release()
         self.client.close()
@@ -242,7 +245,7 @@ class KVCRConnectorWorker:
 
     def _load_failed(self, plan: LoadPlan, exc: Exception) -> None:
         """The plan's blocks are load errors (vLLM recomputes them); the load is finished."""
-        if isinstance(exc, RunnerUnavailable):
+        if isinstance(exc, RunnerError):
             self.stats.failure("guard_unavailable")
         else:
             log.error("kvcr load of %s failed (%s); recomputing", plan.req_id, exc)
@@ -252,7 +255,7 @@ class KVCRConnectorWorker:
 
     def _finished(self, plan: LoadPlan) -> None:
         """Reported done where vLLM looks: a synchronous load with the step's output
-        (`loads_done`), an asynchronous one through `get_finished`."""
+        (`report`), an asynchronous one through `get_finished`."""
         (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
 
     def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:
@@ -271,5 +274,5 @@ class KVCRConnectorWorker:
         racing the copy cannot slip by); of the pool slot after the copy (device caches:
         checking them would cost a copy back)."""
         if self._planes[0][0].device.type != "cpu":
-            return block_checksum(self.client.pool.view(SlotId(slot)))
+            return block_checksum(self.client.pool().view(SlotId(slot)))
         return parts_checksum(plane[block].numpy().data for plane, _, _ in self._planes)

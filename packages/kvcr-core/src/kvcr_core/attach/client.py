@@ -225,6 +225,9 @@ class AttachClient:
     def stats(self, ns: int = 0) -> p.PoolStats:
         return self._one(p.Stats(ns), p.PoolStats)
 
+    def removed_since(self, since: int) -> p.Removed:
+        return self._one(p.RemovedSince(since), p.Removed)
+
     def post_hint(self, envelope: str) -> int:
         """A large hint goes as several pipelined parts (`split_hint`), so no request is
         heavy for the runner; one too large that does not parse here: 0, not counted."""

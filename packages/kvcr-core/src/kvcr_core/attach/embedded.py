@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import threading
-
 from collections.abc import Sequence
 
 from kvcr_core.attach.admission import AttachRefused

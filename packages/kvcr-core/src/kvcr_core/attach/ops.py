@@ -24,7 +24,7 @@ import enum
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from kvcr_core.attach.protocol import FetchOutcome, PoolStats, RefusalReason
+from kvcr_core.attach.protocol import FetchOutcome, PoolStats, RefusalReason, Removed
 from kvcr_core.errors import KVCRError
 from kvcr_core.index import Lease, Reservation
 from kvcr_core.memory import SlotPool
@@ -137,6 +137,11 @@ class RunnerOps(Protocol):
         ...
 
     def stats(self, ns: int = 0) -> PoolStats: ...
+
+    def removed_since(self, since: int) -> Removed:
+        """Router hashes of the client's blocks that left the Runner after inventory batch
+        `since` (-1: none, and where the log stands now), a bounded part at a time."""
+        ...
 
     def post_hint(self, envelope: str) -> int:
         """A KV hint for requests still to come; returns the block hashes remembered."""

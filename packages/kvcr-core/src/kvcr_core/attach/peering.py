@@ -101,6 +101,12 @@ class RunnerPeers:
     def fetches_from_peers(self) -> bool:
         return bool(self.config.peers)
 
+    @property
+    def fetchers(self) -> tuple[PeerClient, ...]:
+        """The fetchers started so far (one per namespace fetched into)."""
+        with self._lock:
+            return tuple(self._fetchers.values())
+
     def fetcher(self, store: NamespaceStore, endpoint: str) -> PeerClient | None:
         peer = self.config
         if endpoint not in peer.peers or peer.secret is None:

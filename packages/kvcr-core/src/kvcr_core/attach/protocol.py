@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 
+from kvcr_core import wire
 from kvcr_core.framing import FRAME_HEADER as FRAME_HEADER
 from kvcr_core.framing import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from kvcr_core.framing import FrameError as FrameError
 from kvcr_core.framing import recv_frame as recv_frame
 from kvcr_core.index import Lease, Reservation
 from kvcr_core.types import FetchStatus, OpId
-from kvcr_core import wire
 from kvcr_core.wire import Message
 from kvcr_core.wire import encode_frame as encode_frame
 
@@ -264,6 +264,16 @@ class PostHint(wire.PostHint, tag="post_hint"):
         return Count(ops.post_hint(self.envelope))
 
 
+class RemovedSince(Message, tag="removed_since"):
+    """Which blocks of the client's namespaces left the Runner after inventory batch `since`
+    (-1: from now on); answered by `Removed`."""
+
+    since: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 63) - 1)]
+
+    def apply(self, ops: RunnerOps) -> Result:
+        return ops.removed_since(self.since)
+
+
 class HintSources(Message, tag="hint_sources"):
     """Which posted hint names a source for each router hash; answered by `Sources`."""
 
@@ -307,7 +317,8 @@ class PeerPoll(Message, tag="peer_poll"):
 
 
 Op = (Lookup | LookupAll | Contains | Reserve | Commit | Abort | Acquire | AcquireAll
-      | Release | Stats | Clear | PostHint | HintSources | RemoteRun | PeerFetch | PeerPoll)
+      | Release | Stats | Clear | RemovedSince | PostHint | HintSources | RemoteRun | PeerFetch
+      | PeerPoll)
 
 
 class Request(Message, tag="request"):
@@ -387,6 +398,18 @@ class PoolStats(Message, tag="pool_stats"):
     evictions: int
 
 
+class Removed(Message, tag="removed"):
+    """Router hashes of blocks removed (evicted or dropped) from each of the client's
+    namespaces (`hashes[i]`: namespace i), through inventory batch `seq`, of the Runner's
+    incarnation `epoch` (a new one: it restarted, and held nothing of before). `reset`: the
+    log no longer reaches back to `since`: what was held then may be gone unseen."""
+
+    epoch: int
+    seq: int
+    reset: bool
+    hashes: list[list[int]]
+
+
 class StatusReport(Message, tag="status"):
     json: str
 
@@ -438,8 +461,8 @@ class Refused(Message, tag="refused"):
     detail: str
 
 
-Result = (Count | Flags | Slots | Leases | Done | PoolStats | Ticket | FetchOutcome | Sources
-          | Run | Refused)
+Result = (Count | Flags | Slots | Leases | Done | PoolStats | Removed | Ticket | FetchOutcome
+          | Sources | Run | Refused)
 
 
 class Reply(Message, tag="reply"):

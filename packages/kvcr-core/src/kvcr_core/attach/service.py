@@ -32,10 +32,12 @@ from kvcr_core.attach.protocol import RefusalReason
 from kvcr_core.index import NO_OP, Lease, Reservation
 from kvcr_core.memory import SlotPool
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.types import BlockKey, OpId, OwnerId
+from kvcr_core.types import BlockKey, NamespaceDigest, OpId, OwnerId
 
 T = TypeVar("T")
 _UNBOUNDED = 1 << 62
+_REMOVED_BATCHES = 16  # inventory batches read per `removed_since`
+_REMOVED_HASHES = 8192  # hashes answered per `removed_since` (more: the next call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,24 @@ class RunnerService:
         return p.PoolStats(idx.capacity_slots, idx.ready_blocks, idx.filling_blocks,
                            idx.free_slots, idx.leased_slots, idx.open_reservations,
                            idx.open_leases, idx.evictions)
+
+    def removed_since(self, since: int) -> p.Removed:
+        log = self.runner.inventory
+        if since < 0:
+            return p.Removed(log.epoch, log.last_seq, False, [[] for _ in self.stores])
+        reset, batches = log.read(since, max_batches=_REMOVED_BATCHES)
+        where = {store.digest: ns for ns, store in enumerate(self.stores)}
+        hashes: list[list[int]] = [[] for _ in self.stores]
+        seq, total = since, 0
+        for batch in batches:
+            if total and total + len(batch.removed) > _REMOVED_HASHES:
+                break  # the rest in the next call
+            ns = where.get(NamespaceDigest(batch.namespace))
+            if ns is not None:
+                hashes[ns] += batch.removed
+                total += len(batch.removed)
+            seq = batch.seq
+        return p.Removed(log.epoch, seq if batches else max(since, log.last_seq), reset, hashes)
 
     def post_hint(self, envelope: str) -> int:
         if not self._budget.hint(len(envelope)):

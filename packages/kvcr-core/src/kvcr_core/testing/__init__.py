@@ -35,5 +35,5 @@ from kvcr_core.testing.ports import free_port
 
 __all__ = ["FakePeerSource", "LoopbackEngine", "LoopbackPeers", "LoopbackTransport",
            "ManualClock", "ObservedRunner", "RaisingPolicy", "ThreadedCopyEngine", "free_port",
-           "in_process", "mapped_kib", "network_namespaces", "pattern_block", "peer_node", "random_keys", "resident_kib",
-           "stocked_source"]
+           "in_process", "mapped_kib", "network_namespaces", "pattern_block", "peer_node",
+           "random_keys", "resident_kib", "stocked_source"]
