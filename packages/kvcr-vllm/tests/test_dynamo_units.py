@@ -24,7 +24,7 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
-from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
+from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
 from kvcr_vllm.request_hints import block_hint_hashes, engine_hash_u64, raw_hint
 from kvcr_vllm.router_tier import HintHashScheme, RouterHintTier, guard_endpoint_problem
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
@@ -144,16 +144,19 @@ class Node:
         self.source.open_namespace(self.spec, BLOCK).store(
             keys, [pattern_block(k, BLOCK) for k in keys])
         self.keys = keys
-        self.client = FakeAttachClient(runner(), self.spec, BLOCK, sources={PEER: self.source})
+        self.client = ObservedRunner(in_process(runner(), self.spec, BLOCK,
+                                                peers=LoopbackPeers({PEER: self.source})))
+        self.store = self.client.ops.stores[0]
         self.stats = StatsRecorder()
         s = ConnectorSettings.from_extra_config(
             {"mode": "guarded", "socket": "/run/kvcr/unused.sock", "peers": [PEER],
              "pull_on_miss": False, **extra}, "e")
         self.scheduler = KVCRConnectorScheduler(s, [self.spec], BLOCK, self.stats, "e",
-                                                clients=[self.client], clock=ManualClock())
+                                                runner=self.client, clock=ManualClock())
 
     def admit(self, request: Any) -> tuple[int | None, bool]:
-        """on_new_request, then asks until the answer is final (the fake peer answers at once)."""
+        """on_new_request, then asks until the answer is final (the loopback peer answers at
+        once)."""
         self.scheduler.on_new_request(request)
         answer = self.scheduler.get_num_new_matched_tokens(request, 0)
         for _ in range(3):
@@ -202,7 +205,7 @@ def test_dynamo_hints_in_request_kv_hints_fetch_the_blocks_vllm_hashed(
     target = vllm_request("on-b", hash_fn, seed, monkeypatch, kv_hints=hint)
     assert node.admit(target) == (32, True)  # all 8 blocks fetched, then offered
     assert node.client.calls["peer_fetch"] == 1
-    assert node.client.store.load(node.keys) == [pattern_block(k, BLOCK) for k in node.keys]
+    assert node.store.load(node.keys) == [pattern_block(k, BLOCK) for k in node.keys]
     counters = node.counters()
     assert counters["hints_accepted"] == 1 and counters["peer_fetched_blocks"] == 8
     assert counters["hint_unmatched_blocks"] == 0
@@ -309,7 +312,7 @@ def test_a_hint_naming_this_engines_own_shared_endpoint_is_no_failure(
     source = vllm_request("on-a", "sha256", "0", monkeypatch)
     node = Node({"secondary_tiers": [TIER]})
     assert node.scheduler.settings.advertised_endpoint == "tcp://10.0.0.1:7500"
-    node.client.store.store(node.keys, [pattern_block(k, BLOCK) for k in node.keys])
+    node.store.store(node.keys, [pattern_block(k, BLOCK) for k in node.keys])
     target = vllm_request("on-b", "sha256", "0", monkeypatch,
                           kv_hints=envelope(published(source), "tcp://10.0.0.1:7500"))
     assert node.admit(target) == (32, True)  # served from the shared pool

@@ -1,7 +1,9 @@
 """kvcr's pool in vLLM's KV event stream (kvcr_vllm.pool_events) without an engine: the
-scheduler side announces saved and fetched blocks once READY, with the hashes, parent and
-tokens vLLM itself computed (a real vLLM Request), removes evicted ones, stays bounded and
-survives a lost Runner. tests/dynamo checks that Dynamo's router credits them."""
+scheduler side announces saved blocks once every rank's worker reported them committed (saves
+report back like loads), with the hashes, parent and tokens vLLM itself computed (a real vLLM
+Request), removes those the Runner's inventory log says it evicted, stays bounded and
+survives a lost Runner. On the real RunnerService over an in-process Runner; tests/dynamo
+checks that Dynamo's router credits them."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from vllm.v1.request import Request
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.runner import Runner
-from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
+from kvcr_core.testing import ManualClock, ObservedRunner, in_process, pattern_block
 from kvcr_vllm import pool_events
+from kvcr_vllm.metadata import WorkerReport
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -46,23 +49,32 @@ class Node:
         runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
                         registry=CollectorRegistry())
         self.specs = [spec(r, tp) for r in range(tp)]
-        self.clients = [FakeAttachClient(runner, s, BLOCK) for s in self.specs]
+        self.ops = ObservedRunner(in_process(runner, self.specs, BLOCK))
+        self.stores = self.ops.ops.stores
         self.clock = ManualClock()
         self.stats = StatsRecorder()
         settings = ConnectorSettings.from_extra_config(
             {"mode": "guarded", "socket": "/run/kvcr/unused.sock"}, "e")
         self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
-                                                clients=self.clients, publish_events=True,
+                                                runner=self.ops, publish_events=True,
                                                 clock=self.clock)
 
     def keys(self, rank: int, tokens: list[int] = TOKENS) -> list[bytes]:
         return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))
 
-    def commit(self, ranks: range | None = None, tokens: list[int] = TOKENS) -> None:
-        """What the workers do after the forward pass: the planned blocks become READY."""
-        for rank in ranks if ranks is not None else range(len(self.clients)):
+    def commit(self, ranks: range | None = None, tokens: list[int] = TOKENS,
+               *, report: bool = True) -> None:
+        """What the workers do after the forward pass: the planned blocks become READY, and
+        each worker reports the keys it committed with the step's output."""
+        saved: list[bytes] = []
+        for rank in ranks if ranks is not None else range(len(self.stores)):
             keys = self.keys(rank, tokens)
-            self.clients[rank].store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+            self.stores[rank].store(keys, [pattern_block(k, BLOCK) for k in keys])
+            saved += keys
+        if report:
+            self.scheduler.update_connector_output(SimpleNamespace(
+                finished_recving=None, kv_connector_worker_meta=WorkerReport(
+                    saved_keys=frozenset(saved))))
 
     def save(self, request: Request) -> None:
         """The request arrives and its prompt is computed (all full blocks planned)."""
@@ -100,8 +112,8 @@ def test_saved_blocks_are_announced_once_ready_with_vllms_hashes_and_tokens() ->
     node.save(req)
     assert node.scheduler.take_events() == []  # planned, not committed yet
     node.commit(range(1))
-    assert node.scheduler.take_events() == []  # rank 1 still lacks them
-    node.commit()
+    assert node.scheduler.take_events() == []  # rank 1 did not report them yet
+    node.commit(range(1, 2))
     (stored,) = node.scheduler.take_events()
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == published(req) and stored.parent_block_hash is None
@@ -121,8 +133,8 @@ def test_evicted_blocks_are_announced_removed_and_never_all_cleared() -> None:
     node.save(req)
     node.commit()
     node.scheduler.take_events()
-    node.clients[0].store.clear()
-    assert node.scheduler.take_events() == []  # the sweep waits for SWEEP_S
+    node.stores[0].clear()
+    assert node.scheduler.take_events() == []  # the log is read every SWEEP_S
     node.clock.advance(pool_events.SWEEP_S)
     (removed,) = node.scheduler.take_events()
     assert isinstance(removed, BlockRemoved) and removed.medium == "CPU_PINNED"
@@ -171,10 +183,52 @@ def test_pending_blocks_never_committed_are_dropped_and_a_lost_runner_costs_no_s
     assert node.scheduler.take_events() == []
     node.commit()
     assert node.scheduler.take_events() == []  # dropped: only later saves are announced
-    node.clients[0].down = True
+    node.ops.down = True
     node.save(request("r3", TOKENS[:8] + [1] * 8))  # its lookup fails: counted once
-    assert node.scheduler.take_events() == []  # and so does the READY check
+    node.clock.advance(pool_events.SWEEP_S)
+    assert node.scheduler.take_events() == []  # and so does reading the Runner's log
     assert node.stats.take().reduce()["failures_guard_unavailable"] == 2  # type: ignore[union-attr]
-    node.clients[0].down = False
+    node.ops.down = False
     node.commit(tokens=TOKENS[:8] + [1] * 8)
     assert len(node.scheduler.take_events()) == 1  # the pending run survived the outage
+
+
+def test_a_suspect_report_or_a_restarted_runner_takes_back_every_announcement() -> None:
+    """Risk: a router keeps crediting blocks a worker reported saved on a connection that
+    was lost since (its commits may have published nothing), or blocks of a Runner that
+    restarted empty: requests routed there recompute."""
+    node = Node()
+    req = request()
+    node.save(req)
+    node.commit()
+    (stored,) = node.scheduler.take_events()
+    node.scheduler.update_connector_output(SimpleNamespace(
+        finished_recving=None, kv_connector_worker_meta=WorkerReport(suspect=True)))
+    (removed,) = node.scheduler.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored.block_hashes
+    node.save(request("r2", list(range(300, 316))))
+    node.commit(tokens=list(range(300, 316)))
+    assert len(node.scheduler.take_events()) == 1
+    events = node.scheduler.events
+    assert events is not None and events._cursor is not None
+    events._cursor = (events._cursor[0] + 1, events._cursor[1])  # as after a restart
+    node.clock.advance(pool_events.SWEEP_S)
+    (gone,) = node.scheduler.take_events()
+    assert isinstance(gone, BlockRemoved) and len(gone.block_hashes) == 4
+
+
+def test_a_block_reported_saved_but_evicted_before_the_report_is_never_announced() -> None:
+    """Risk: a block evicted between its commit and the worker's report is announced anyway
+    and credited for good (its removal was read before it was announced)."""
+    node = Node()
+    node.scheduler.take_events()  # the scheduler follows the log from here on
+    req = request()
+    node.save(req)
+    node.commit(report=False)
+    node.stores[0].clear()  # evicted before the report arrives
+    node.clock.advance(pool_events.SWEEP_S)
+    assert node.scheduler.take_events() == []  # the removal drops the pending blocks
+    node.scheduler.update_connector_output(SimpleNamespace(
+        finished_recving=None,
+        kv_connector_worker_meta=WorkerReport(saved_keys=frozenset(node.keys(0)))))
+    assert node.scheduler.take_events() == []

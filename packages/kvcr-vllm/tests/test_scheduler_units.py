@@ -1,8 +1,8 @@
 """The connector's scheduler side without an engine: request arrival, lookup, asynchronous load,
 "ask again" while a hinted fetch runs (on every TP rank), the fetch deadline, finish,
-preemption, a lost Runner. Driven through the same calls vLLM makes, with kvcr_core.testing's
-fake attach clients (an in-process Runner per node, no socket) and a manual clock; the
-end-to-end tests with real engines are in test_vllm_e2e.py."""
+preemption, a lost Runner. Driven through the same calls vLLM makes, on the real RunnerService
+over an in-process Runner per node (kvcr_core.testing: peers are other in-process Runners, no
+socket, a manual clock); the end-to-end tests with real engines are in test_vllm_e2e.py."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from kvcr_core.checksums import block_checksum
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
-from kvcr_core.testing import FakeAttachClient, ManualClock, pattern_block
-from kvcr_vllm.metadata import LoadsDone
+from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
+from kvcr_vllm.metadata import WorkerReport
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -87,9 +87,9 @@ class Node:
         self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
                              registry=CollectorRegistry())
         self.specs = [spec(r, tp) for r in range(tp)]
-        self.clients = [FakeAttachClient(self.runner, s, BLOCK, sources=sources,
-                                         answer_after_polls=answer_after_polls)
-                        for s in self.specs]
+        self.peers = LoopbackPeers(sources, answer_after_polls=answer_after_polls)
+        self.ops = ObservedRunner(in_process(self.runner, self.specs, BLOCK, peers=self.peers))
+        self.stores = self.ops.ops.stores  # per rank
         self.clock = ManualClock()
         self.stats = StatsRecorder()
         settings = ConnectorSettings.from_extra_config(
@@ -97,7 +97,7 @@ class Node:
              "peers": list(sources or {}), "fetch_deadline_s": 2, "fetch_wait_s": 0,
              **(extra or {})}, "e")
         self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
-                                                clients=self.clients, clock=self.clock,
+                                                runner=self.ops, clock=self.clock,
                                                 sleep=self.clock.advance,
                                                 synchronous_loads=synchronous_loads)
 
@@ -106,9 +106,9 @@ class Node:
 
     def stock(self, tokens: list[int]) -> None:
         """Stores the full blocks of `tokens` on every rank."""
-        for rank, client in enumerate(self.clients):
+        for rank, store in enumerate(self.stores):
             keys = self.keys(tokens, rank)
-            client.store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+            store.store(keys, [pattern_block(k, BLOCK) for k in keys])
 
     def counters(self) -> dict[str, int | float]:
         taken = self.stats.take()
@@ -140,7 +140,7 @@ def test_a_hit_loads_asynchronously_under_a_lease_released_when_the_load_ends() 
     meta = sched.build_connector_meta(output())
     (plan,) = meta.loads
     assert plan.block_ids == (12, 13, 14, 15) and len(plan.slots_by_rank[0]) == 4
-    store = node.clients[0].store
+    store = node.stores[0]
     assert store.index.open_leases == 1
     sched.update_connector_output(SimpleNamespace(finished_recving={"r1"}))
     assert store.index.open_leases == 0
@@ -167,12 +167,12 @@ def test_a_synchronous_load_runs_in_its_step_and_its_lease_ends_when_the_step_di
     meta = sched.build_connector_meta(output())
     (plan,) = meta.loads
     assert plan.synchronous and plan.block_ids == (12, 13, 14, 15, 16, 17)
-    stores = [client.store for client in node.clients]
+    stores = node.stores
     assert [s.index.open_leases for s in stores] == [1, 1]
     sched.update_connector_output(SimpleNamespace(finished_recving=None,
                                                   kv_connector_worker_meta=None))
     assert [s.index.open_leases for s in stores] == [1, 1]  # that step did not carry it
-    done = LoadsDone(frozenset({"r1"})).aggregate(LoadsDone(frozenset({"other"})))
+    done = WorkerReport(frozenset({"r1"})).aggregate(WorkerReport(frozenset({"other"})))
     sched.update_connector_output(SimpleNamespace(finished_recving=None,
                                                   kv_connector_worker_meta=done))
     assert [s.index.open_leases for s in stores] == [0, 0]
@@ -209,9 +209,9 @@ def test_verified_loads_carry_the_committed_checksums_to_every_rank(verify: bool
     if not verify:
         assert plan.checksums_by_rank == ()
         return
-    for client, slots, sums in zip(node.clients, plan.slots_by_rank, plan.checksums_by_rank,
-                                   strict=True):
-        pool = client.store.pool
+    for store, slots, sums in zip(node.stores, plan.slots_by_rank, plan.checksums_by_rank,
+                                  strict=True):
+        pool = store.pool
         assert list(sums) == [block_checksum(pool.view(s)) for s in slots] and len(sums) == 4
 
 
@@ -231,10 +231,10 @@ def test_a_hinted_fetch_asks_again_until_every_rank_has_the_prefix(tp: int) -> N
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # fetch started
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # still running
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True)  # ended: 8 blocks
-    for rank, client in enumerate(node.clients):
-        assert client.calls["peer_fetch"] == 1
+    assert node.ops.calls["peer_fetch"] == 1  # one fetch for every rank
+    for rank, store in enumerate(node.stores):
         keys = node.keys(TOKENS, rank)
-        assert client.store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+        assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
     (plan,) = sched.build_connector_meta(output()).loads
     assert len(plan.slots_by_rank) == tp and all(len(s) == 8 for s in plan.slots_by_rank)
@@ -249,16 +249,16 @@ def test_a_short_fetch_is_waited_for_and_loaded_in_the_same_step(pull: bool) -> 
     engine loop spins), where the scheduler could have waited for it."""
     node = Node(sources={PEER: None}, answer_after_polls=3, extra={"fetch_wait_s": 0.05})
     source = stocked_source(node, TOKENS)
-    node.clients[0].sources[PEER] = source
+    node.peers.sources[PEER] = source
     request = FakeRequest("r1", TOKENS, kv_transfer_params=None if pull else hint(TOKENS, node))
     sched = node.scheduler
     sched.on_new_request(request)
     start = node.clock()
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True)  # one call: no ask again
     assert node.clock() - start < 0.05  # it slept only while the fetch ran
-    assert node.clients[0].calls["peer_fetch"] == 1
+    assert node.ops.calls["peer_fetch"] == 1
     # one lookup (the local prefix before the fetch): the completed fetch answers the hit
-    assert node.clients[0].calls["lookup"] == 1
+    assert node.ops.calls["lookup_all"] == 1
     sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
     (plan,) = sched.build_connector_meta(output()).loads
     assert len(plan.block_ids) == 8  # the lease found every fetched block
@@ -277,9 +277,9 @@ def test_a_long_fetch_is_waited_for_once_then_polled_each_step() -> None:
     start = node.clock()
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
     assert 0.05 <= node.clock() - start < 0.06
-    polls = node.clients[0].calls["peer_poll"]
+    polls = node.ops.calls["peer_poll"]
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
-    assert node.clock() - start < 0.06 and node.clients[0].calls["peer_poll"] == polls + 1
+    assert node.clock() - start < 0.06 and node.ops.calls["peer_poll"] == polls + 1
     assert node.counters()["fetch_wait_expired"] == 1
 
 
@@ -305,7 +305,7 @@ def test_a_hint_naming_a_stranger_is_refused_and_counted() -> None:
                           kv_transfer_params=hint(TOKENS, node, "tcp://10.9.9.9:1"))
     node.scheduler.on_new_request(request)
     assert node.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert node.clients[0].calls["peer_fetch"] == 0
+    assert node.ops.calls["peer_fetch"] == 0
     assert node.counters()["failures_peer_not_allowed"] == 1
 
 
@@ -333,8 +333,7 @@ def test_a_lost_runner_costs_nothing_but_the_cache() -> None:
     """Risk: a dead Runner fails or stalls requests instead of degrading to recompute."""
     node = Node()
     node.stock(TOKENS)
-    for client in node.clients:
-        client.down = True
+    node.ops.down = True
     request = FakeRequest("r1", TOKENS)
     node.scheduler.on_new_request(request)
     assert node.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -358,19 +357,18 @@ def test_a_miss_pulls_the_run_a_peer_holds_without_any_hint(tp: int) -> None:
     node = Node(tp, sources={PEER: None}, answer_after_polls=2)
     node.stock(TOKENS[:8])  # 2 blocks here; the peer holds all 8
     source = stocked_source(node, TOKENS)
-    for client in node.clients:
-        client.sources[PEER] = source
+    node.peers.sources[PEER] = source
     request = FakeRequest("r1", TOKENS)
     sched = node.scheduler
     sched.on_new_request(request)
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # pull started
     assert sched.get_num_new_matched_tokens(request, 0) == (None, False)  # still running
     assert sched.get_num_new_matched_tokens(request, 0) == (32, True)
-    assert node.clients[0].calls["remote_run"] == 1
-    assert all(c.calls["peer_fetch"] == 1 for c in node.clients)
-    for rank, client in enumerate(node.clients):
+    assert node.ops.calls["remote_run"] == 1
+    assert node.ops.calls["peer_fetch"] == 1  # one fetch for every rank
+    for rank, store in enumerate(node.stores):
         keys = node.keys(TOKENS, rank)
-        assert client.store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
+        assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     counters = node.counters()
     assert counters["pull_lookups"] == 1 and counters["pulled_blocks"] == 6
     assert counters["pulled_bytes"] == 6 * BLOCK * tp
@@ -385,13 +383,12 @@ def test_pull_on_miss_stays_out_of_the_way(case: str) -> None:
     node = Node(sources={PEER: None}, extra=extra)
     source = stocked_source(node, TOKENS[:4] if case == "short" else TOKENS)
     if case != "nothing_remote":
-        node.clients[0].sources[PEER] = source
-    node.clients[0].pull_min_blocks = 2  # as `pull_min_blocks` would: one block is too short
+        node.peers.sources[PEER] = source
+    node.peers.pull_min_blocks = 2  # as `pull_min_blocks` would: one block is too short
     params = hint(TOKENS, node, "tcp://10.0.0.3:7500") if case == "hinted" else None
     request = FakeRequest("r1", TOKENS, kv_transfer_params=params)
     sched = node.scheduler
     sched.on_new_request(request)
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert node.clients[0].calls["remote_run"] == (1 if case in ("short", "nothing_remote")
-                                                   else 0)
-    assert node.clients[0].calls["peer_fetch"] == 0
+    assert node.ops.calls["remote_run"] == (1 if case in ("short", "nothing_remote") else 0)
+    assert node.ops.calls["peer_fetch"] == 0

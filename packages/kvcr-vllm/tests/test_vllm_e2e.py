@@ -46,10 +46,10 @@ def corrupt_pool(model: str, socket: str, tokens: list[int]) -> int:
     client = AttachClient(socket, spec, block_bytes_from_stats(socket, spec))
     keys = sequence_keys(spec, tokens)
     lease = client.acquire(keys, prefix_only=False)
-    noise = bytes((i * 131 + 7) % 256 for i in range(client.pool.slot_bytes))
+    noise = bytes((i * 131 + 7) % 256 for i in range(client.pool().slot_bytes))
     for slot in lease.slots:
         if slot is not None:
-            client.pool.write(slot, noise)
+            client.pool().write(slot, noise)
     client.release(lease.op)
     client.close()
     return lease.granted

@@ -44,7 +44,7 @@ def scribble(model: str, socket_path: str, tokens: list[int]) -> int:
     lease = client.acquire(sequence_keys(spec, tokens), prefix_only=False)
     for slot in lease.slots:
         if slot is not None:
-            client.pool.write(slot, bytes(client.pool.slot_bytes))
+            client.pool().write(slot, bytes(client.pool().slot_bytes))
     client.release(lease.op)
     client.close()
     return lease.granted

@@ -64,7 +64,7 @@ def test_a_synchronous_loads_time_includes_its_copy(guard) -> None:
     b.register_kv_caches(kv_caches(2))
     b.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
         "r2", (9, 10), (tuple(s for s in lease.slots if s is not None),), synchronous=True)]))
-    assert b.loads_done() is not None
+    assert b.report() is not None
     taken = stats.take()
     assert taken is not None
     (seconds,) = taken.data["load_seconds"]
@@ -76,15 +76,19 @@ def test_a_synchronous_loads_time_includes_its_copy(guard) -> None:
 
 @pytest.mark.parametrize("synchronous", [False, True])
 def test_save_then_load_moves_exact_pages_between_engines(guard, synchronous: bool) -> None:
-    """Engine A's blocks 3..6 saved; engine B loads them into blocks 9..12 byte-exactly and
-    reports the load done where vLLM looks for it (risk: a synchronous load reported as an
-    asynchronous one trips vLLM's scheduler, or its lease is never released)."""
+    """Engine A's blocks 3..6 saved and reported saved (the scheduler announces them from the
+    report); engine B loads them into blocks 9..12 byte-exactly and reports the load done
+    where vLLM looks for it (risk: a synchronous load reported as an asynchronous one trips
+    vLLM's scheduler, its lease is never released, or a save goes unreported)."""
     keys = sequence_keys(SPEC, list(range(4 * BLOCK)))
     a_caches, b_caches = kv_caches(1), kv_caches(2)
     a, b = make_worker(guard.socket, StatsRecorder()), make_worker(guard.socket, StatsRecorder())
     a.register_kv_caches(a_caches)
     b.register_kv_caches(b_caches)
     a.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("r1", (3, 4, 5, 6), (tuple(keys),))]))
+    saved = a.report()
+    assert saved is not None and saved.saved_keys == set(keys) and not saved.suspect
+    assert a.report() is None  # reported once
     a.shutdown()
     reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
     lease = reader.acquire(keys)
@@ -93,10 +97,10 @@ def test_save_then_load_moves_exact_pages_between_engines(guard, synchronous: bo
     b.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
         "r2", (9, 10, 11, 12), (tuple(s for s in lease.slots if s is not None),),
         synchronous=synchronous)]))
-    done = b.loads_done()
+    done = b.report()
     if synchronous:
         assert b.get_finished(set()) == (None, None) and done is not None
-        assert done.req_ids == {"r2"} and b.loads_done() is None
+        assert done.loads_done == {"r2"} and not done.saved_keys and b.report() is None
     else:
         assert b.get_finished(set()) == (None, {"r2"}) and done is None
     assert b.get_block_ids_with_load_errors() == set()
@@ -164,7 +168,7 @@ def test_verified_loads_recompute_blocks_changed_in_the_pool_since_their_commit(
     lease = scribbler.acquire(keys, checksums=True)
     slots = tuple(s for s in lease.slots if s is not None)
     assert lease.granted == 3 and len(lease.checksums) == 3
-    scribbler.pool.view(slots[1])[100:108] = b"scribble"  # after the commit
+    scribbler.pool().view(slots[1])[100:108] = b"scribble"  # after the commit
     stats = StatsRecorder()
     loader = make_worker(guard.socket, stats)
     caches = kv_caches(6)

@@ -97,7 +97,7 @@ def test_a_save_is_committed_only_after_its_copies_completed(guard, engine) -> N
     lease = reader.acquire(metadata.saves[0].keys_by_rank[0],  # type: ignore[arg-type]
                            checksums=True)
     want = [block_bytes(caches, b) for b in (2, 3)]
-    assert [bytes(reader.pool.view(s)) for s in lease.slots if s is not None] == want
+    assert [bytes(reader.pool().view(s)) for s in lease.slots if s is not None] == want
     assert list(lease.checksums) == [block_checksum(w) for w in want]
     reader.release(lease.op)
     reader.close()
@@ -122,8 +122,8 @@ def test_layer_wise_saves_copy_each_layer_when_the_forward_hands_it_over(guard, 
     engine.drain()
     assert published(worker, reader, first) == 1 and engine.fences == 1
     lease = reader.acquire(first.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
-    assert bytes(reader.pool.view(lease.slots[0]))[:PAGE] == before.numpy().tobytes()
-    assert bytes(reader.pool.view(lease.slots[0]))[PAGE:] == caches[LAYERS[1]][5].numpy().tobytes()
+    assert bytes(reader.pool().view(lease.slots[0]))[:PAGE] == before.numpy().tobytes()
+    assert bytes(reader.pool().view(lease.slots[0]))[PAGE:] == caches[LAYERS[1]][5].numpy().tobytes()
     reader.release(lease.op)
     again = saves("b", (6,), 1000)
     worker.bind(again)
@@ -135,7 +135,7 @@ def test_layer_wise_saves_copy_each_layer_when_the_forward_hands_it_over(guard, 
     engine.drain()
     assert published(worker, reader, again) == 1
     lease = reader.acquire(again.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
-    assert bytes(reader.pool.view(lease.slots[0])) == block_bytes(caches, 6)
+    assert bytes(reader.pool().view(lease.slots[0])) == block_bytes(caches, 6)
     reader.release(lease.op)
     reader.close()
     worker.shutdown()
@@ -181,7 +181,7 @@ def test_a_load_is_reported_finished_only_after_its_copies_completed(guard, engi
 def test_a_synchronous_load_is_complete_before_the_forward_pass(guard, engine) -> None:
     """Risk: start_load_kv returning (and vLLM running the forward pass that reads the blocks)
     before a synchronous load's copies landed, or the load reported where vLLM does not look
-    for a synchronous one (get_finished) instead of with the step's output (loads_done)."""
+    for a synchronous one (get_finished) instead of with the step's output (its report)."""
     caches, reader, lease, slots = saved_blocks(guard.socket, 5, (1, 2), 100)
     loader_caches = kv_caches(6)
     loader = make_worker(guard.socket, engine)
@@ -199,8 +199,8 @@ def test_a_synchronous_load_is_complete_before_the_forward_pass(guard, engine) -
     for name in LAYERS:
         assert torch.equal(loader_caches[name][5:7], caches[name][1:3])
     assert loader.get_finished(set()) == (None, None)
-    done = loader.loads_done()
-    assert done is not None and done.req_ids == {"r"}
+    done = loader.report()
+    assert done is not None and done.loads_done == {"r"}
     reader.release(lease.op)
     reader.close()
     loader.shutdown()

@@ -10,7 +10,8 @@ engine announced to a KV-aware router (NVIDIA Dynamo) as held in its host tier.
   on every rank (`fetched`).
 - `BlockRemoved` (same medium) when kvcr no longer holds an announced block, as the Runner's
   inventory log says (`RunnerOps.removed_since`: the same log that feeds peers and routers),
-  read at most every `SWEEP_S`; a removal of a pending block drops it. When the log cannot
+  followed from the first `take()` on and read at most every `SWEEP_S`; a removal of a
+  pending block drops it. When the log cannot
   say (the Runner restarted, or this reader fell behind it) or a worker's report is
   `suspect`, every announced block is announced removed: a router may under-credit kvcr,
   never over-credit it.
@@ -121,12 +122,10 @@ class PoolEvents:
         for key in keys:
             found = self._by_key.get(key)
             pending = self._pending.get(found) if found is not None else None
-            if pending is None or found is None:
-                continue
-            pending.waiting.discard(found.index(BlockKey(key)))
-            if not pending.waiting:
-                del self._pending[found]
-                self._fresh.append(pending.block)
+            if pending is not None and found is not None:
+                pending.waiting.discard(found.index(BlockKey(key)))
+        done = [keys for keys, pending in self._pending.items() if not pending.waiting]
+        self._fresh += [self._pending.pop(keys).block for keys in done]  # in planned order
 
     def fetched(self, request: Any, start: int, keys_by_rank: Sequence[Sequence[BlockKey]],
                 statuses: Sequence[Sequence[FetchStatus]]) -> None:
@@ -147,7 +146,7 @@ class PoolEvents:
 
     def take(self) -> list[KVCacheEvent]:
         now = self._clock()
-        if now >= self._next_sweep:
+        if now >= self._next_sweep or self._cursor is None:
             self._next_sweep = now + SWEEP_S
             self._read_removals()
         while self._pending and now - next(iter(self._pending.values())).since >= SETTLE_S:
