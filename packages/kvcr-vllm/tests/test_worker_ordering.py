@@ -122,8 +122,9 @@ def test_layer_wise_saves_copy_each_layer_when_the_forward_hands_it_over(guard, 
     engine.drain()
     assert published(worker, reader, first) == 1 and engine.fences == 1
     lease = reader.acquire(first.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
-    assert bytes(reader.pool().view(lease.slots[0]))[:PAGE] == before.numpy().tobytes()
-    assert bytes(reader.pool().view(lease.slots[0]))[PAGE:] == caches[LAYERS[1]][5].numpy().tobytes()
+    saved = bytes(reader.pool().view(lease.slots[0]))
+    assert saved[:PAGE] == before.numpy().tobytes()
+    assert saved[PAGE:] == caches[LAYERS[1]][5].numpy().tobytes()
     reader.release(lease.op)
     again = saves("b", (6,), 1000)
     worker.bind(again)
