@@ -30,7 +30,7 @@ def say(**fields: object) -> None:
 
 
 def check(client: AttachClient, keys: list[bytes], lease_slots: tuple[int | None, ...]) -> int:
-    pool = client.pool
+    pool = client.pool()
     for key, slot in zip(keys, lease_slots, strict=False):
         if slot is not None and bytes(pool.view(slot)) != pattern_block(key, BLOCK):
             print(f"CORRUPT key {key.hex()} slot {slot}", file=sys.stderr, flush=True)
@@ -58,7 +58,7 @@ def main() -> None:
         res = client.reserve(keys)
         for key, slot in zip(keys, res.slots, strict=True):
             if slot is not None:
-                client.pool.view(slot)[: BLOCK // 2] = pattern_block(key, BLOCK)[: BLOCK // 2]
+                client.pool().view(slot)[: BLOCK // 2] = pattern_block(key, BLOCK)[: BLOCK // 2]
         say(reserved=res.granted)
         time.sleep(3600)
     elif mode == "hold-lease":  # lease the prompt's blocks, then wait to be killed
@@ -84,8 +84,8 @@ def soak(client: AttachClient, rng: random.Random, seconds: int) -> None:
                 sums = []
                 for key, slot in zip(keys, res.slots, strict=True):
                     if slot is not None:
-                        client.pool.write(slot, pattern_block(key, BLOCK))
-                        sums.append(block_checksum(client.pool.view(slot)))
+                        client.pool().write(slot, pattern_block(key, BLOCK))
+                        sums.append(block_checksum(client.pool().view(slot)))
                 if rng.random() < 0.1:
                     client.abort(res.op)
                 else:

@@ -30,14 +30,14 @@ def test_requests_in_flight_resolve_in_any_order(guard) -> None:
     assert set(res_a.slots).isdisjoint(res_b.slots)
     for keys, res in ((a, res_a), (b, res_b)):
         for key, slot in zip(keys, res.slots, strict=True):
-            client.pool.write(slot, pattern_block(key, BLOCK))
+            client.pool().write(slot, pattern_block(key, BLOCK))
         client.commit_nowait(res.op, checksums=[block_checksum(pattern_block(k, BLOCK))
                                                 for k in keys])
     lease = client.acquire_async(a + b, prefix_only=False).result()  # sees the nowait commits
     assert lease.granted == 5
     client.release_nowait(lease.op)
     client.flush()
-    assert client.stats().open_leases == 0 and client.deferred_shortfalls == 0
+    assert client.stats().open_leases == 0 and client.connection.deferred_shortfalls == 0
     client.close()
 
 
@@ -48,7 +48,7 @@ def test_many_nowait_calls_stay_bounded(guard) -> None:
     client.store(keys, [pattern_block(keys[0], BLOCK)])
     for _ in range(2000):
         client.release_nowait(client.acquire(keys).op)
-        assert len(client._owed) <= 32
+        assert len(client.connection._owed) <= 32
     client.flush()
     assert client.stats().open_leases == 0
     client.close()
@@ -62,7 +62,7 @@ def test_deferred_commit_of_a_reclaimed_op_is_counted_not_published(guard) -> No
     client.abort(res.op)
     client.commit_nowait(res.op, checksums=[0, 0])
     client.flush()
-    assert client.deferred_shortfalls == 1 and client.lookup(keys) == 0
+    assert client.connection.deferred_shortfalls == 1 and client.lookup(keys) == 0
     client.close()
 
 

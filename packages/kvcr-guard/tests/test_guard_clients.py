@@ -292,7 +292,7 @@ def test_prefault_backs_a_namespace_in_the_daemon_before_any_client_writes(
     client = AttachClient(guard.socket, SPEC, BLOCK, identity="prefault")
     client.attach()
     on_attach = _rss_shmem_kib(guard.proc.pid) - at_start
-    region_kib = client.pool.region.size_bytes // 1024
+    region_kib = client.pool().region.size_bytes // 1024
     client.close()
     if prefault:
         assert at_start >= region_kib  # every page of the 8 MiB namespace, in the daemon
@@ -315,7 +315,7 @@ def test_an_engine_maps_a_backed_pool_ahead_of_its_first_copies(
     try:
         engine.attach()
         control.attach()
-        region = engine.pool.region
+        region = engine.pool().region
         if prefault:
             deadline = time.monotonic() + 30
             while (mapped_kib(region.address) < region.size_bytes // 1024
@@ -326,7 +326,7 @@ def test_an_engine_maps_a_backed_pool_ahead_of_its_first_copies(
             time.sleep(0.5)
             assert mapped_kib(region.address) < region.size_bytes // 1024 // 8
             assert _rss_shmem_kib(guard.proc.pid) < region.size_bytes // 1024 // 8
-        assert mapped_kib(control.pool.region.address) < region.size_bytes // 1024 // 8
+        assert mapped_kib(control.pool().region.address) < region.size_bytes // 1024 // 8
     finally:
         engine.close()
         control.close()
@@ -344,14 +344,14 @@ def test_back_ahead_backs_the_pool_in_the_daemon_as_it_fills(short_tmp, harness)
     engine = AttachClient(guard.socket, SPEC, BLOCK, identity="engine", map_pages=True)
     try:
         engine.attach()
-        region = engine.pool.region
+        region = engine.pool().region
         assert 1024 <= at_start < region.size_bytes // 1024 // 4  # the margin, backed first
         reservation = engine.reserve(keys_for(9, 160))  # 2.5 MiB of 16 KiB blocks
         top = max(s for s in reservation.slots if s is not None) + 1
         assert _rss_shmem_kib(guard.proc.pid) >= top * BLOCK // 1024  # before the reply
         for slot in reservation.slots:
             assert slot is not None
-            engine.pool.write(slot, pattern_block(bytes([slot % 256]) * 4, BLOCK))
+            engine.pool().write(slot, pattern_block(bytes([slot % 256]) * 4, BLOCK))
         deadline = time.monotonic() + 30
         while (mapped_kib(region.address) < top * BLOCK // 1024 + 1024
                and time.monotonic() < deadline):

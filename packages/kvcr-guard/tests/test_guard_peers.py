@@ -70,7 +70,7 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     peers are refused."""
     import time
 
-    from kvcr_core.attach import AttachClient, RunnerUnavailable
+    from kvcr_core.attach import AttachClient, RefusalReason, RunnerRefused
 
     secret_file = os.path.join(short_tmp, "peer.secret")
     with open(secret_file, "wb") as f:
@@ -88,18 +88,18 @@ def test_a_guard_fetches_from_its_peer_for_its_engines(short_tmp, harness) -> No
     dest = harness.Guard(dir_b, "--peer", endpoint, "--peer-secret-file", secret_file).start()
     client = AttachClient(dest.socket, SPEC, BLOCK)
     keys = sequence_keys(SPEC, [31 * 100_000 + t for t in range(16 * 9)])
-    ticket = client.peer_fetch(endpoint, keys, deadline_s=10)
+    ticket = client.peer_fetch(endpoint, [keys], deadline_s=10)
     deadline = time.monotonic() + 15
     while not (outcome := client.peer_poll(ticket)).done:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    assert outcome.statuses == [FetchStatus.OK] * 9
+    assert outcome.statuses == [[FetchStatus.OK] * 9]
     assert client.load(keys) == [pattern_block(k, BLOCK) for k in keys]
     try:
-        client.peer_fetch("tcp://127.0.0.1:9", keys, deadline_s=1)
+        client.peer_fetch("tcp://127.0.0.1:9", [keys], deadline_s=1)
         raise AssertionError("an unlisted endpoint was dialled")
-    except RunnerUnavailable as exc:
-        assert exc.reason == "peer_not_allowed"
+    except RunnerRefused as exc:
+        assert exc.refusal is RefusalReason.PEER_NOT_ALLOWED
     client.close()
     for g in (source, dest):
         assert g.stop() == 0

@@ -19,7 +19,7 @@ from kvcr_core.testing import pattern_block, random_keys
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
-HELLO = p.Hello(p.PROTOCOL_VERSION, p.NamespaceFields(**dataclasses.asdict(SPEC)), BLOCK, "raw",
+HELLO = p.Hello(p.PROTOCOL_VERSION, [p.NamespaceFields(**dataclasses.asdict(SPEC))], BLOCK, "raw",
                 os.getpid())
 
 
@@ -80,7 +80,7 @@ def assert_still_serving(path: str) -> None:
     ("request before hello", lambda s: s.sendall(p.encode_frame(p.Request(1, []))),
      "out_of_order"),
     ("bad namespace", lambda s: s.sendall(p.encode_frame(
-        msgspec.structs.replace(HELLO, namespace={"model_id": "x"}))), "malformed"),
+        msgspec.structs.replace(HELLO, namespaces=[{"model_id": "x"}]))), "malformed"),
     ("geometry mismatch", lambda s: s.sendall(p.encode_frame(
         msgspec.structs.replace(HELLO, block_bytes=BLOCK * 2))), "bad_namespace"),
     ("truncated then EOF", lambda s: (s.sendall(struct.pack("<I", 100) + b"abc"),
@@ -107,6 +107,10 @@ def test_bad_first_frames_are_refused(guard, name, send, reason) -> None:
     ("too many keys", lambda: [p.Request(1, [p.Lookup([bytes(16)] * (p.MAX_KEYS_PER_OP + 1))])],
      "malformed"),
     ("probe after hello", lambda: [p.Probe(p.PROTOCOL_VERSION)], "out_of_order"),
+    ("namespace not opened", lambda: [p.Request(1, [p.Lookup([bytes(16)], ns=1)])],
+     "malformed"),
+    ("keys for more namespaces", lambda: [p.Request(1, [p.LookupAll([[bytes(16)]] * 2)])],
+     "malformed"),
 ])
 def test_violations_after_attach_close_only_that_client(guard, name, frames, reason) -> None:
     """A misbehaving attached client is cut off; others keep their connection and data."""

@@ -37,7 +37,7 @@ SECRET = b"hostile-client-test-secret-0123456789"
 
 
 def hello(spec: NamespaceSpec = SPEC, identity: str = "attacker") -> p.Hello:
-    return p.Hello(p.PROTOCOL_VERSION, p.NamespaceFields(**dataclasses.asdict(spec)), BLOCK,
+    return p.Hello(p.PROTOCOL_VERSION, [p.NamespaceFields(**dataclasses.asdict(spec))], BLOCK,
                    identity, os.getpid())
 
 
@@ -106,12 +106,12 @@ def test_a_client_cannot_shrink_grow_or_reseal_the_pool(guard) -> None:
     keys = random_keys(8, seed=1)
     legit.store(keys, [pattern_block(k, BLOCK) for k in keys])
     sock, fd, welcome = attach_raw(guard.socket)
-    for attack in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, welcome.region_bytes * 2),
+    for attack in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, welcome.pools[0].region_bytes * 2),
                    lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)):
         with pytest.raises(PermissionError):
             attack()
-    assert os.fstat(fd).st_size == welcome.region_bytes
-    with mmap.mmap(fd, welcome.region_bytes) as mapped:
+    assert os.fstat(fd).st_size == welcome.pools[0].region_bytes
+    with mmap.mmap(fd, welcome.pools[0].region_bytes) as mapped:
         assert mapped[:4] is not None  # still mapped whole
     os.close(fd)
     sock.close()
@@ -140,10 +140,10 @@ def _scribble(guard, keys: list[bytes]) -> None:
     sock, fd, welcome = attach_raw(guard.socket)
     legit = AttachClient(guard.socket, SPEC, BLOCK, identity="legit")
     lease = legit.acquire(keys)
-    with mmap.mmap(fd, welcome.region_bytes) as mapped:
+    with mmap.mmap(fd, welcome.pools[0].region_bytes) as mapped:
         for slot in lease.slots:
             assert slot is not None
-            offset = slot * welcome.stride_bytes
+            offset = slot * welcome.pools[0].stride_bytes
             mapped[offset:offset + 64] = b"\xaa" * 64
     legit.release(lease.op)
     legit.close()
@@ -177,7 +177,7 @@ def test_blocks_scribbled_after_commit_are_refused_by_peers_and_verified_loads(g
 
     reader = AttachClient(guard.socket, SPEC, BLOCK, identity="verifying engine")
     lease = reader.acquire(keys, checksums=True)
-    view = reader.pool.view
+    view = reader.pool().view
     verdicts = [block_checksum(view(s)) == c for s, c in zip(lease.slots, lease.checksums,
                                                               strict=True) if s is not None]
     assert verdicts == [False] * 3 + [True] * 3
