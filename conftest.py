@@ -9,85 +9,69 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
+from kvcr_bench.processes import GuardProcess
 from kvcr_core.testing.ports import free_port
 
 WORKER = str(Path(__file__).parent / "packages" / "kvcr-guard" / "tests" / "guard_worker.py")
 
 
 class Guard:
-    """One daemon process on a short socket path; started and stopped by PID."""
+    """One kvcr-guard daemon for a test (kvcr_bench's `GuardProcess`, the one way tests,
+    benchmarks and the demo start it), on a short socket path with a 32 MiB pool and its
+    metrics on a free port; `start()` starts it and waits for its socket."""
 
     def __init__(self, tmpdir: str, *extra: str) -> None:
         self.dir = tmpdir
+        os.makedirs(tmpdir, exist_ok=True)
         self.socket = os.path.join(tmpdir, "g.sock")
         self.metrics_port = free_port()
-        self.log = open(os.path.join(tmpdir, "guard.log"), "ab")  # noqa: SIM115
-        self.args = [sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
-                     "--pool-bytes", "32MiB", "--namespace-pool-bytes", "8MiB",
-                     "--metrics-port", str(self.metrics_port), *extra]
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra = extra
+        self.daemon: GuardProcess | None = None
 
     def start(self) -> Guard:
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvcr-guard exited {self.proc.returncode}: {self.logs()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("kvcr-guard did not start")
+        self.daemon = GuardProcess(Path(self.dir), "--pool-bytes", "32MiB",
+                                   "--namespace-pool-bytes", "8MiB", *self.extra,
+                                   socket_name="g.sock", metrics_port=self.metrics_port)
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.daemon is not None, "start() it first"
+        return self.daemon.proc
+
+    @property
+    def log(self) -> IO[bytes]:
+        assert self.daemon is not None, "start() it first"
+        return self.daemon.log_file
 
     def logs(self) -> str:
         return Path(self.dir, "guard.log").read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=20)
+        assert self.daemon is not None
+        return self.daemon.signal(sig, timeout_s=20)
 
     def metric(self, name: str, **labels: str) -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                      timeout=10).read().decode()
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
-                       if labels else "")
-        for line in text.splitlines():
-            if line.startswith(want + " "):
-                return float(line.split()[-1])
-        raise KeyError(want)
+        assert self.daemon is not None
+        return self.daemon.metric(name, **labels)
 
     def settled_metric(self, name: str, want: float, timeout_s: float = 5.0,
                        **labels: str) -> float:
-        """The metric once it reached `want` (or its value at the deadline): counters the
-        daemon bumps after the work that a client already saw completed (a peer fetch's
-        served blocks are counted once the last byte was sent, which the fetcher may have
-        read first)."""
-        deadline = time.monotonic() + timeout_s
-        while (value := self.metric(name, **labels)) < want and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return value
+        assert self.daemon is not None
+        return self.daemon.settled_metric(name, want, timeout_s, **labels)
 
     def rss_anon_kib(self) -> int:
-        assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-        raise KeyError("RssAnon")
+        assert self.daemon is not None
+        return self.daemon.status_kib("RssAnon")
 
 
 def run_worker(guard: Guard, mode: str, *args: int, timeout: float = 60) -> dict[str, int]:
@@ -130,7 +114,7 @@ def short_tmp() -> Iterator[str]:
 def guard(short_tmp: str) -> Iterator[Guard]:
     g = Guard(short_tmp).start()
     yield g
-    if g.proc is not None and g.proc.poll() is None:
+    if g.proc.poll() is None:
         assert g.stop() == 0, g.logs()
     g.log.close()
 
@@ -162,11 +146,10 @@ class Harness:
                 proc.kill()
             proc.wait(timeout=30)
         for guard in self._guards:
-            if guard.proc is not None and guard.proc.poll() is None:
-                guard.proc.kill()
-                guard.proc.wait(timeout=30)
-            if not guard.log.closed:
-                guard.log.close()
+            if guard.daemon is not None:
+                if guard.daemon.alive():
+                    guard.daemon.proc.kill()
+                guard.daemon.stop()
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 import httpx
 import yaml
 
-from kvcr_bench.vllm_servers import Process, VllmServer
+from kvcr_bench.processes import GuardProcess, Process
+from kvcr_bench.vllm_servers import VllmServer
 from kvcr_core.testing.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -104,11 +105,10 @@ def stack(tiny_model: str, tools: Any, tmp_path_factory: pytest.TempPathFactory,
     os.environ.update({"KVCR_PEER_SECRET": SECRET, "VLLM_SERVER_DEV_MODE": "1"})
     try:
         socket_path = f"{sock_dir}/g.sock"
-        guard = Process([sys.executable, "-m", "kvcr_guard", "--socket", socket_path,
-                         "--pool-bytes", "256MiB", "--namespace-pool-bytes", "128MiB",
-                         "--back-ahead", "32MiB", "--metrics-port", str(ports["guard"]),
-                         "--peer-listen", f"127.0.0.1:{ports['peer']}", "--peer", dead_peer],
-                        work / "guard.log")
+        guard = GuardProcess(Path(sock_dir), "--pool-bytes", "256MiB",
+                             "--namespace-pool-bytes", "128MiB", "--back-ahead", "32MiB",
+                             "--peer-listen", f"127.0.0.1:{ports['peer']}", "--peer", dead_peer,
+                             socket_name="g.sock", metrics_port=ports["guard"])
         procs.append(guard)
         wait_http(guard, f"http://127.0.0.1:{ports['guard']}/metrics", 30)
         engine = VllmServer(tiny_model, work, "engine", {

@@ -6,10 +6,6 @@ Skipped (failed where CI=true) without .venv-dynamo: bash scripts/setup_dynamo.s
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,28 +15,18 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
-from kvcr_bench.vllm_servers import Process
+from kvcr_bench.processes import GuardProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SECRET = "dynamo-guarded-peer-secret-0123456789-abcd"
 
 
-def guard(workdir: Path, port: int) -> Process:
+def guard(workdir: Path, port: int) -> GuardProcess:
     """kvcr-guard with this checkout's code, serving peers on 127.0.0.1:`port`."""
-    sock = str(workdir / "guard.sock")
-    proc = Process([sys.executable, "-m", "kvcr_guard", "--socket", sock, "--pool-bytes",
-                    "512MiB", "--namespace-pool-bytes", "256MiB", "--peer-listen",
-                    f"127.0.0.1:{port}", "--log-level", "WARNING"], workdir / "guard.log",
-                   {"KVCR_PEER_SECRET": SECRET})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-            s.connect(sock)
-            return proc
-        assert proc.alive(), proc.tail()
-        time.sleep(0.1)
-    raise AssertionError(f"kvcr-guard did not start: {proc.tail()}")
+    return GuardProcess(workdir, "--pool-bytes", "512MiB", "--namespace-pool-bytes", "256MiB",
+                        "--peer-listen", f"127.0.0.1:{port}", "--log-level", "WARNING",
+                        env={"KVCR_PEER_SECRET": SECRET})
 
 
 class Node:

@@ -106,7 +106,8 @@ def test_a_client_cannot_shrink_grow_or_reseal_the_pool(guard) -> None:
     keys = random_keys(8, seed=1)
     legit.store(keys, [pattern_block(k, BLOCK) for k in keys])
     sock, fd, welcome = attach_raw(guard.socket)
-    for attack in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, welcome.pools[0].region_bytes * 2),
+    region_bytes = welcome.pools[0].region_bytes
+    for attack in (lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, region_bytes * 2),
                    lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)):
         with pytest.raises(PermissionError):
             attack()

@@ -55,8 +55,8 @@ def guard_with_peer() -> Iterator[tuple[str, Runner]]:
     source = Runner(KVCRConfig(pool_bytes=64 * BLOCK, namespace_pool_bytes=16 * BLOCK),
                     registry=CollectorRegistry())
     path = f"\0kvcr-round-trips-{os.getpid()}-{threading.get_ident()}"
-    config = ServerConfig(socket_path=path,
-                          runner=KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK))
+    config = ServerConfig(socket_path=path, runner=KVCRConfig(pool_bytes=256 * BLOCK,
+                                                              namespace_pool_bytes=64 * BLOCK))
     registry = CollectorRegistry()
     server = AttachServer(config, registry=registry, host=RunnerHost(
         config, registry, peers=LoopbackPeers({PEER: source})))

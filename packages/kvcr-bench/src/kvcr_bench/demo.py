@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcr_bench.tiny_model import PRESETS, build
-from kvcr_bench.vllm_servers import GuardProcess, VllmServer, start_servers
+from kvcr_bench.vllm_servers import VllmServer, bench_guard, start_servers
 
 
 @dataclass
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     print("phase 2/2: kvcr-guard + two vLLM servers with KVCRConnector (guarded) ...",
           flush=True)
-    guard = GuardProcess(workdir)
+    guard = bench_guard(workdir)
     try:
         ktc = {"kv_connector": "KVCRConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"mode": "guarded", "socket": guard.socket}}

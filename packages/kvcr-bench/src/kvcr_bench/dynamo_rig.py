@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcr_bench.vllm_servers import Process
+from kvcr_bench.processes import Process
 
 REPO = Path(__file__).resolve().parents[4]
 VENV = REPO / ".venv-dynamo"

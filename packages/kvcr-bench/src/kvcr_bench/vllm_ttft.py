@@ -39,7 +39,7 @@ from typing import Any
 
 from kvcr_bench.copies import meets
 from kvcr_bench.tiny_model import PRESETS, build
-from kvcr_bench.vllm_servers import BACK_AHEAD, GuardProcess
+from kvcr_bench.vllm_servers import BACK_AHEAD, bench_guard
 
 TARGETS = {"ttft_ratio_kvcr_vs_recompute": ("<=", 0.15),
            "ttft_ratio_kvcr_vs_local_prefix": ("<=", 1.5),
@@ -92,7 +92,7 @@ def _cases(base: dict[str, Any], prompts: list[list[int]], multiprocess: bool
     print(f"bench vllm ({mode}): (a)+(b) vanilla engine ...", file=progress, flush=True)
     vanilla = _probe({**base, "connector": "none", "requests": twice})
     workdir = Path(tempfile.mkdtemp(prefix="kvcrbv", dir="/tmp"))
-    guard = GuardProcess(workdir, pool_bytes="4GiB", back_ahead=BACK_AHEAD)  # as deployed
+    guard = bench_guard(workdir, pool_bytes="4GiB", back_ahead=BACK_AHEAD)  # as deployed
     try:
         extra = {"mode": "guarded", "socket": guard.socket}
         print(f"bench vllm ({mode}): (c) kvcr engine A stores, engine B loads ...",
