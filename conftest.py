@@ -21,7 +21,7 @@ import pytest
 from kvcr_bench.processes import GuardProcess
 from kvcr_core.testing.ports import free_port
 
-WORKER = str(Path(__file__).parent / "packages" / "kvcr-guard" / "tests" / "guard_worker.py")
+WORKER = str(Path(__file__).parent / "packages" / "kvcr-core" / "tests" / "attach_worker.py")
 
 
 class Guard:

@@ -16,6 +16,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent for p in REPO.glob("packages/kvcr-*/pyproject.toml"))
 DOCS = REPO / "docs"

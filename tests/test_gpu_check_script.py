@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch", reason="the GPU checks need torch")
 
 REPO = Path(__file__).resolve().parents[1]

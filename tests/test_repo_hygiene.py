@@ -16,6 +16,7 @@ BIN = Path(sys.executable).parent
 PACKAGES = ("kvcr_core", "kvcr_guard", "kvcr_router", "kvcr_sglang", "kvcr_vllm", "kvcr_bench")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
+LAYERS = frozenset({"unit", "integration", "e2e"})
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -27,12 +28,14 @@ def sources() -> list[Path]:
     return sorted(REPO.glob("packages/*/src/**/*.py"))
 
 
+@pytest.mark.integration
 def test_ruff_is_clean() -> None:
     """Lint findings fail CI instead of piling up."""
     out = run(str(BIN / "ruff"), "check", ".")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_mypy_strict_on_every_package() -> None:
     """Every kvcr package type-checks under --strict (pyproject.toml; SGLang itself is untyped
@@ -42,6 +45,7 @@ def test_mypy_strict_on_every_package() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.integration
 def test_layering_contracts_hold() -> None:
     """The packages stay a star around kvcr-core (pyproject.toml [tool.importlinter]): core
     imports no sibling and no engine, connectors use core's public API only and not kvcr-guard,
@@ -51,6 +55,7 @@ def test_layering_contracts_hold() -> None:
     assert "0 broken" in out.stdout
 
 
+@pytest.mark.unit
 def test_modules_stay_short() -> None:
     """No source module grows past 500 lines (house rule; split by role instead)."""
     long = [f"{p.relative_to(REPO)}: {n}" for p in sources()
@@ -58,6 +63,7 @@ def test_modules_stay_short() -> None:
     assert long == []
 
 
+@pytest.mark.unit
 def test_functions_stay_short_outside_benchmarks() -> None:
     """No function of a product package runs past 60 lines (benchmarks, in kvcr-bench, may:
     a benchmark reads best as one measured story)."""
@@ -73,6 +79,7 @@ def test_functions_stay_short_outside_benchmarks() -> None:
     assert long == []
 
 
+@pytest.mark.unit
 def test_nothing_refers_outside_the_repository() -> None:
     """Docs and comments stand on their own: every relative path that climbs (`../`) stays
     inside the repository, and every page named in capitals (such as README.md) is one the
@@ -92,3 +99,33 @@ def test_nothing_refers_outside_the_repository() -> None:
             if outside or missing:
                 found.append(f"{path.relative_to(REPO)}:{i}: {outside + missing}")
     assert found == []
+
+
+def _layers(node: ast.AST) -> set[str]:
+    """The layer markers (`pytest.mark.unit`...) an expression names."""
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr in LAYERS
+            and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+
+@pytest.mark.unit
+def test_every_test_carries_exactly_one_layer_marker() -> None:
+    """Tests come in layers (unit, integration, e2e: docs/architecture.md); a test without a
+    layer marker runs in no layer's selection (`-m unit`), one with two in both."""
+    wrong = []
+    for path in sorted(REPO.glob("packages/*/tests/**/test_*.py")) + sorted(
+            REPO.glob("tests/**/test_*.py")):
+        tree = ast.parse(path.read_text())
+        module: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+                module |= _layers(node.value)
+        tests = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                 and n.name.startswith("test_")]
+        for test in tests:
+            own: set[str] = set()
+            for decorator in test.decorator_list:
+                own |= _layers(decorator)
+            if len(module) + len(own) != 1:
+                wrong.append(f"{path.relative_to(REPO)}::{test.name}: {sorted(module | own)}")
+    assert wrong == []

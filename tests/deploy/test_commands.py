@@ -21,6 +21,8 @@ import pytest
 from kvcr_core.cli.secret_cmd import generate_secret
 from kvcr_core.keys import NamespaceSpec
 
+pytestmark = pytest.mark.e2e
+
 SGLANG_HELPER = Path(__file__).with_name("sglang_cmdline.py")
 GIB = 2**30
 

@@ -9,8 +9,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "deploy" / "images"

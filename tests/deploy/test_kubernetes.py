@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 KUBERNETES_VERSIONS = [f"1.{minor}.0" for minor in range(30, 38)]
 SECRET_MOUNT = "/etc/kvcr/peer"
 SECRET_NAME = "kvcr-peer-secret"

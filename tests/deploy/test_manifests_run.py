@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcr_bench.pods import Pod, PodNetwork, Sources, environment_path, workload_pods
 from kvcr_bench.vllm_servers import CPU_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200),
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200),
               pytest.mark.skipif(os.geteuid() != 0 or not all(
                   shutil.which(t) for t in ("ip", "unshare", "nsenter")),
                   reason="pods as processes need root, iproute2 and util-linux; CI runs as "

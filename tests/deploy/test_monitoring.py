@@ -9,7 +9,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.e2e
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 RULES = MONITORING / "kvcr-rules.yaml"

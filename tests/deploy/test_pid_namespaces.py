@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "packages" / "kvcr-guard" / "tests" / "guard_worker.py"
+WORKER = REPO / "packages" / "kvcr-core" / "tests" / "attach_worker.py"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="new PID namespaces need root and unshare (util-linux); CI runs as root")
+    reason="new PID namespaces need root and unshare (util-linux); CI runs as root")]
 
 
 def in_own_pid_namespace(*argv: str, log: Path) -> subprocess.Popen[bytes]:
@@ -53,7 +53,7 @@ def test_guard_reclaims_a_killed_engine_in_a_sibling_pid_namespace(short_tmp, tm
         assert b"reserved" in worker.stdout.readline(), worker.stderr
         spec = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32",
                              block_size_tokens=16, num_layers=2, num_kv_heads=2, head_dim=64,
-                             layout="test/guard")  # guard_worker.py's namespace
+                             layout="test/guard")  # attach_worker.py's namespace
         observer = AttachClient(sock, spec, 16384, identity="observer")
         assert observer.stats().filling_blocks == 4
         worker.kill()  # unshare dies; --kill-child takes the worker with it

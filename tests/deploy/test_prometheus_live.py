@@ -29,7 +29,7 @@ from kvcr_bench.processes import GuardProcess, Process
 from kvcr_bench.vllm_servers import VllmServer
 from kvcr_core.testing.ports import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"

@@ -33,6 +33,8 @@ from sybil import Example, Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser
 from sybil.parsers.markdown.codeblock import CodeBlockParser
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 EXECUTED = ["configure-vllm.md", "keys.md"]

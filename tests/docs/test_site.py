@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 MKDOCS = REPO / ".venv-docs" / "bin" / "mkdocs"
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SECRET = "dynamo-e2e-peer-secret-0123456789-abcdefgh"
 BEST = "dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total"

@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 from kvcr_bench.processes import GuardProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SECRET = "dynamo-guarded-peer-secret-0123456789-abcd"
 

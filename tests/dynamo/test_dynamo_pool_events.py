@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REMOVED = "dynamo_component_kv_cache_events_applied_total"
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 KVCR = str(Path(sys.executable).parent / "kvcr")
 
 

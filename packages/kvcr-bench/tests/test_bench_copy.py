@@ -30,6 +30,7 @@ def copy_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_bench_plugins", lambda: [entry])
 
 
+@pytest.mark.unit
 @pytest.mark.slow
 def test_bench_copy_on_cpu_reports_every_row_and_checks_its_bytes(
         copy_entry_point: None, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,6 +46,7 @@ def test_bench_copy_on_cpu_reports_every_row_and_checks_its_bytes(
     assert result["summary"]["all_checked"] and result["meets_targets"] == {}
 
 
+@pytest.mark.unit
 def test_bench_copy_on_cuda_without_cuda_says_so(
         copy_entry_point: None, capsys: pytest.CaptureFixture[str]) -> None:
     """--device cuda on a machine without CUDA exits 2 with the reason, measuring nothing."""
@@ -55,6 +57,7 @@ def test_bench_copy_on_cuda_without_cuda_says_so(
     assert "no CUDA device" in captured.err and captured.out == ""
 
 
+@pytest.mark.integration
 def test_bench_copy_needs_no_engine() -> None:
     """The benchmark module imports torch and kvcr only: no vLLM, SGLang or transformers."""
     code = ("import sys, kvcr_bench.device_copy\n"

@@ -16,7 +16,7 @@ import pytest
 from kvcr_vllm import PREFILL_CAP_SCHEDULER
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
 

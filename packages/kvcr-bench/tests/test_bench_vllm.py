@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
 CASES = ("recompute", "local_prefix", "kvcr", "example_connector")

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvcr_bench.serve_load import _summary, vanilla_best
 
 
@@ -20,6 +22,7 @@ def _row(case: str, p90: float, later_p90: float, tput: float) -> dict[str, Any]
             "tokens": tokens, "kvcr_failures": 0}
 
 
+@pytest.mark.unit
 def test_each_ratio_takes_vanillas_better_configuration() -> None:
     """Vanilla with the cap has the worse p90 but the better later turns, without it the
     better throughput: every kvcr ratio is taken against the better of the two."""
@@ -34,6 +37,7 @@ def test_each_ratio_takes_vanillas_better_configuration() -> None:
     assert vanilla_best(rows, 8, "ttft_p90_ms")["case"] == "vanilla"
 
 
+@pytest.mark.unit
 def test_without_a_cap_the_baseline_is_vanilla_alone() -> None:
     """`--prefill-cap 0` runs no second vanilla case: the baseline is the one that ran."""
     rows = [_row("vanilla", 1000, 900, 100), _row("kvcr", 500, 300, 150),
@@ -43,6 +47,7 @@ def test_without_a_cap_the_baseline_is_vanilla_alone() -> None:
     assert "vanilla-cap_connector_tokens" not in summary
 
 
+@pytest.mark.integration
 def test_a_negative_cap_is_refused_with_the_fix() -> None:
     """A negative token count names the option and what to give, and starts no server."""
     kvcr = str(Path(sys.executable).parent / "kvcr")
@@ -52,6 +57,7 @@ def test_a_negative_cap_is_refused_with_the_fix() -> None:
     assert "--prefill-cap -5: give a token count (0: no cap)" in out.stderr
 
 
+@pytest.mark.integration
 def test_a_bad_back_ahead_is_refused_with_the_fix() -> None:
     """A margin that is not a size names the option, the sizes it takes and what the pool
     holds, and starts no server."""

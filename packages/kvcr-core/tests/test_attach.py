@@ -28,6 +28,8 @@ from kvcr_core.peers import PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys, resident_kib
 
+pytestmark = pytest.mark.unit
+
 SECRET = "attach-test-secret-0123456789abcdef"
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,

@@ -13,6 +13,8 @@ import pytest
 from kvcr_core import __version__
 from kvcr_core.keys import NamespaceSpec, router_hashes, sequence_keys
 
+pytestmark = pytest.mark.integration
+
 KVCR = str(Path(sys.executable).parent / "kvcr")
 REPO = Path(__file__).resolve().parents[3]
 NS = {"model_id": "m", "dtype": "float32", "kv_dtype": "float32", "block_size_tokens": 4,

@@ -24,6 +24,8 @@ from kvcr_core.config import (
 )
 from kvcr_core.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 GiB = 1 << 30
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -38,6 +38,7 @@ def pool_rows(pool: SlotPool) -> torch.Tensor:
                                                                 pool.stride_bytes)
 
 
+@pytest.mark.unit
 def test_runs_coalesce_consecutive_blocks_and_slots() -> None:
     """Runs where both block ids and slots advance by one become one copy each."""
     assert list(runs((4, 5, 6, 9, 10), (0, 1, 2, 3, 4))) == [(4, 0, 3), (9, 3, 2)]
@@ -45,6 +46,7 @@ def test_runs_coalesce_consecutive_blocks_and_slots() -> None:
     assert list(runs((), ())) == []
 
 
+@pytest.mark.unit
 def test_cpu_engine_round_trips_runs_byte_exactly() -> None:
     """Blocks 2,3,4 and 9 into slots 5,6,7 and 0: each slot holds its block's planes back to
     back; loading them into other blocks gives the same pages."""
@@ -64,6 +66,7 @@ def test_cpu_engine_round_trips_runs_byte_exactly() -> None:
         assert torch.equal(mine[0][0:4], theirs[0][[2, 3, 4, 9]])
 
 
+@pytest.mark.unit
 def test_a_bad_block_or_slot_fails_before_anything_is_copied() -> None:
     """An out-of-range block id or slot raises while planning, so no part of the batch was
     copied (a partial copy could otherwise be published)."""
@@ -76,6 +79,7 @@ def test_a_bad_block_or_slot_fails_before_anything_is_copied() -> None:
     assert bytes(pool.view(0)) == bytes(2 * PAGE)
 
 
+@pytest.mark.unit
 def test_threaded_engine_completes_jobs_only_after_their_copies() -> None:
     """While the helper thread is held, a job is not done and the bytes are not there; once
     released the job completes with the bytes in place."""
@@ -93,6 +97,7 @@ def test_threaded_engine_completes_jobs_only_after_their_copies() -> None:
         engine.close()
 
 
+@pytest.mark.unit
 def test_threaded_engine_reports_a_failed_copy_through_the_next_job_only() -> None:
     """A copy that fails on the helper thread fails the job recorded after it (done and wait
     raise CopyFailed); later jobs are clean again."""
@@ -134,6 +139,7 @@ def address(binding: PoolBinding) -> int:
         return int(rows.data_ptr())
 
 
+@pytest.mark.unit
 def test_binding_unpins_a_mapping_before_it_can_be_unmapped() -> None:
     """Pinned once per attach; after a re-attach the old mapping is unpinned (its copies
     waited for) before it is let go, and `release` unpins before the caller's close unmaps."""
@@ -152,6 +158,7 @@ def test_binding_unpins_a_mapping_before_it_can_be_unmapped() -> None:
         engine.close()
 
 
+@pytest.mark.unit
 def test_binding_counts_a_mapping_that_could_not_be_pinned() -> None:
     """A failed pin leaves usable (pageable) rows and is reported to the caller once."""
     engine, client = ThreadedCopyEngine(), Attachment()
@@ -169,12 +176,14 @@ def test_binding_counts_a_mapping_that_could_not_be_pinned() -> None:
         engine.close()
 
 
+@pytest.mark.unit
 def test_cpu_tensors_get_the_inline_engine() -> None:
     """KV on CPU (or any non-CUDA device) copies inline, as before the seam existed."""
     engine = engine_for(torch.device("cpu"))
     assert isinstance(engine, CpuCopyEngine) and not engine.asynchronous
 
 
+@pytest.mark.integration
 def test_importing_the_seam_loads_no_torch() -> None:
     """kvcr-core's torch seam imports torch only when an engine is used."""
     code = ("import sys, kvcr_core.copyengine, kvcr_core.testing\n"

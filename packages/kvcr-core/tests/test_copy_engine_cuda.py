@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch", reason="the copy engines move torch tensors")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device: torch.cuda.is_available() is False here "

@@ -10,6 +10,8 @@ from kvcr_core.index import BlockIndex
 from kvcr_core.testing import RaisingPolicy, random_keys
 from kvcr_core.types import BlockKey, SlotId
 
+pytestmark = pytest.mark.unit
+
 
 def test_lru_order_follows_access() -> None:
     """LRU yields the least recently readied/accessed slot first."""

@@ -19,6 +19,8 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.testing import pattern_block
 
+pytestmark = pytest.mark.integration
+
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/expo")

@@ -11,6 +11,8 @@ import pytest
 
 from kvcr_core.framing import readable
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("high_descriptor", [False, True], ids=["select", "poll"])
 def test_readable_sees_bytes_and_eof_at_any_descriptor(high_descriptor: bool) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvcr_core.hintboard import MAX_ENDPOINTS, HintBoard
 from kvcr_core.hints import parse_hint
 from kvcr_core.runner import Runner
+
+pytestmark = pytest.mark.unit
 
 
 def envelope(source: str, hashes: list[int]) -> dict[str, object]:

@@ -5,6 +5,7 @@ clock)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.attach import HintedFetcher, HintedRun, Skipped, hinted_run
@@ -13,6 +14,8 @@ from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.runner import Runner
 from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
 from kvcr_core.types import FetchStatus
+
+pytestmark = pytest.mark.unit
 
 BLOCK = 4096
 A, B, C = "tcp://10.0.0.1:7500", "tcp://10.0.0.2:7500", "tcp://10.0.0.3:7500"

@@ -27,6 +27,8 @@ from kvcr_core.hints import (
 from kvcr_core.metrics import RunnerMetrics
 from kvcr_core.types import RouterHash
 
+pytestmark = pytest.mark.unit
+
 R = HintRejectReason
 U64 = 1 << 64
 

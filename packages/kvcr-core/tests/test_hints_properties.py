@@ -15,6 +15,8 @@ from kvcr_core import hints
 from kvcr_core.errors import HintRejected, HintRejectReason
 from kvcr_core.hints import FETCH_ACTION_TYPES, KVHint, parse_hint
 
+pytestmark = pytest.mark.unit
+
 U64 = 1 << 64
 FUZZ = settings(max_examples=300, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

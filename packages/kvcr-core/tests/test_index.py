@@ -9,6 +9,8 @@ from kvcr_core.index import NO_OP, BlockIndex
 from kvcr_core.testing import RaisingPolicy, random_keys
 from kvcr_core.types import OwnerId, SlotState
 
+pytestmark = pytest.mark.unit
+
 
 def make(capacity: int = 4, **kw: int) -> BlockIndex:
     return BlockIndex(capacity, LRUPolicy(capacity), **kw)

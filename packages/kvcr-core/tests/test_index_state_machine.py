@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -11,6 +12,8 @@ from kvcr_core.index import BlockIndex
 from kvcr_core.memory import RegionKind, SlotPool
 from kvcr_core.testing import pattern_block
 from kvcr_core.types import BlockKey, OpId, OwnerId, SlotState
+
+pytestmark = pytest.mark.unit
 
 CAPACITY = 5
 BLOCK = 128

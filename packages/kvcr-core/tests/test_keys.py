@@ -22,6 +22,8 @@ from kvcr_core.keys import (
     sequence_keys,
 )
 
+pytestmark = pytest.mark.unit
+
 VECTORS = Path(__file__).resolve().parents[3] / "docs" / "key-vectors.json"
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")

@@ -13,6 +13,8 @@ import pytest
 
 from kvcr_core.peers.lanes import LaneJob, ReadLanes
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def lanes() -> Iterator[ReadLanes]:

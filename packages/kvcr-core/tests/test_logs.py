@@ -10,6 +10,8 @@ import pytest
 from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.testing import ManualClock
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text, shown", [
     ("engine-0", "engine-0"),

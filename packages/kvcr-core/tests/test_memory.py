@@ -16,6 +16,7 @@ from kvcr_core.testing import mapped_kib, pattern_block, resident_kib
 from kvcr_core.types import SlotId
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", list(RegionKind))
 def test_region_rounds_to_pages_and_starts_zeroed(kind: RegionKind) -> None:
     """Regions are whole pages of zeroed memory for both backings."""
@@ -26,6 +27,7 @@ def test_region_rounds_to_pages_and_starts_zeroed(kind: RegionKind) -> None:
         assert bytes(region.view[-64:]) == bytes(64)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("slot_bytes", [1, 4096, 5000, 65536, 3 * 4096 + 17])
 def test_every_slot_start_is_4k_aligned(slot_bytes: int) -> None:
     """Slot starts are 4 KiB-aligned whatever the block size (misaligned copies are 3x slower)."""
@@ -39,6 +41,7 @@ def test_every_slot_start_is_4k_aligned(slot_bytes: int) -> None:
         pool.close()
 
 
+@pytest.mark.unit
 def test_slots_are_independent_and_byte_exact() -> None:
     """Writing one slot never touches its neighbours; reads return exactly what was written."""
     pool = SlotPool.create(4, 5000, RegionKind.ANONYMOUS)
@@ -58,6 +61,7 @@ def test_slots_are_independent_and_byte_exact() -> None:
         pool.close()
 
 
+@pytest.mark.integration
 def test_memfd_region_is_shared_with_another_process() -> None:
     """Another process that maps the memfd sees and changes the same bytes (guard mode)."""
     region = HostRegion.create(2 * PAGE_BYTES, RegionKind.MEMFD)
@@ -75,6 +79,7 @@ def test_memfd_region_is_shared_with_another_process() -> None:
     region.close()
 
 
+@pytest.mark.unit
 def test_memfd_leaves_nothing_in_dev_shm() -> None:
     """memfd pools create no file in /dev/shm (nothing to leak after a crash)."""
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
@@ -85,6 +90,7 @@ def test_memfd_leaves_nothing_in_dev_shm() -> None:
     region.close()
 
 
+@pytest.mark.unit
 def test_closed_region_refuses_use_and_anonymous_has_no_fd() -> None:
     """Using a closed region is the caller's bug and says so; anonymous memory cannot be shared."""
     region = HostRegion.create(PAGE_BYTES, RegionKind.ANONYMOUS)
@@ -95,6 +101,7 @@ def test_closed_region_refuses_use_and_anonymous_has_no_fd() -> None:
         _ = region.view
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("populate_advice", ["kernel", "unsupported"])
 def test_a_second_mapping_of_a_backed_region_maps_every_page_ahead_of_use(
         populate_advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,6 +122,7 @@ def test_a_second_mapping_of_a_backed_region_maps_every_page_ahead_of_use(
         engine.close()
 
 
+@pytest.mark.unit
 def test_closing_a_region_stops_its_page_mapper_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: the background mapper outlives the mapping, so a call in flight during `close`
     touches addresses that are unmapped or someone else's by then; or `close` hangs on it."""
@@ -157,6 +165,7 @@ def _wait_for(condition, timeout_s: float = 10.0) -> bool:
     return bool(condition())
 
 
+@pytest.mark.unit
 def test_back_ahead_holds_what_is_used_plus_its_margin_and_keeps_what_writers_wrote() -> None:
     """Risk: a back-ahead pool is backed whole up front (on a VM that hands free memory back
     to its host, every other process's first touches slow down while it is held), or a
@@ -191,6 +200,7 @@ def test_back_ahead_holds_what_is_used_plus_its_margin_and_keeps_what_writers_wr
         writer.close()
 
 
+@pytest.mark.unit
 def test_an_engine_maps_pages_only_as_their_holder_backs_them() -> None:
     """Risk: an engine's page mapper backs the pool's pages itself when its holder backs them
     as the pool fills (the engine's memory cgroup pays for them), or never maps the pages

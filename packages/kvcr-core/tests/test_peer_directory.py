@@ -16,6 +16,8 @@ from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers.directory import PeerDirectory, PeerView
 from kvcr_core.peers.metrics import DirectoryMetrics
 
+pytestmark = pytest.mark.unit
+
 NS = bytes(range(16))
 OTHER = bytes(16)
 

@@ -14,6 +14,8 @@ from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
 
+pytestmark = pytest.mark.unit
+
 SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384

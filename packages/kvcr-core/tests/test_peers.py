@@ -45,6 +45,8 @@ from kvcr_core.testing import (
 )
 from kvcr_core.types import NamespaceDigest
 
+pytestmark = pytest.mark.integration
+
 SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384

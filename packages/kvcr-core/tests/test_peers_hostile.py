@@ -28,6 +28,8 @@ from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys
 from kvcr_core.types import NamespaceDigest
 
+pytestmark = pytest.mark.unit
+
 SECRET = PeerSecret(b"peer-port-hostile-test-secret-0123456789")
 NS = NamespaceDigest(b"hostile-peer-ns!")
 BLOCK = 4096

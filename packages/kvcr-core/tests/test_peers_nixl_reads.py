@@ -26,6 +26,8 @@ from kvcr_core.runner import NamespaceStore
 from kvcr_core.testing import FakePeerSource, pattern_block, peer_node, random_keys
 from kvcr_core.types import BlockKey, NamespaceDigest
 
+pytestmark = pytest.mark.integration
+
 if not nixl_installed():
     pytest.skip("nixl is not installed (pip install 'kvcr-core[nixl]')", allow_module_level=True)
 

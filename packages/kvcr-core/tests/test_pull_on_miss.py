@@ -23,6 +23,8 @@ from kvcr_core.peers import FetchStatus
 from kvcr_core.testing import pattern_block
 from kvcr_core.testing.ports import free_port
 
+pytestmark = pytest.mark.unit
+
 SECRET = "pull-on-miss-test-secret-0123456789abcdef"
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,

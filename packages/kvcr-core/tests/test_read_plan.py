@@ -9,6 +9,8 @@ import pytest
 from kvcr_core.peers.reads import read_plan
 from kvcr_core.testing import LoopbackTransport
 
+pytestmark = pytest.mark.unit
+
 KIB = 1024
 
 

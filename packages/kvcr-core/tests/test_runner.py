@@ -15,6 +15,8 @@ from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block, random_keys, resident_kib
 from kvcr_core.types import NamespaceDigest
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")

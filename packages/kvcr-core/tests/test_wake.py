@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from kvcr_core.attach.wake import WakePipe
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_wake_after_close_never_writes_to_a_reused_descriptor() -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.config import KVCRConfig
@@ -16,6 +17,8 @@ from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret
 from kvcr_core.runner import Runner
 from kvcr_core.testing import pattern_block
+
+pytestmark = pytest.mark.integration
 
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.hints import parse_hint
@@ -24,6 +25,8 @@ from kvcr_router.hashing import PromptHasher
 from kvcr_router.hinting import hinted_hashes, strip_client_hints
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.testing import FakeInventory, FakeWorker, serving
+
+pytestmark = pytest.mark.unit
 
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
                      num_layers=4, num_kv_heads=2, head_dim=64, layout="vllm-0.32.0/cpu/AVX2")

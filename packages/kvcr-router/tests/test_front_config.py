@@ -20,6 +20,7 @@ NS = {"model_id": "m", "dtype": "float32", "kv_dtype": "float32", "block_size_to
       "num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "layout": "vllm-0.32.0/cpu/AVX2"}
 
 
+@pytest.mark.unit
 def test_worker_flag_parses_endpoints_canonically() -> None:
     """NAME=URL,peer=..,kv_events=.. (dash or underscore) gives canonical endpoints."""
     w = WorkerSpec.parse("a=http://10.0.0.1:8000/,peer=tcp://10.0.0.1:7500,"
@@ -29,6 +30,7 @@ def test_worker_flag_parses_endpoints_canonically() -> None:
     assert WorkerSpec.parse("b=https://h:1").peer is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("text", "field"), [
     ("Bad Name=http://h:1", "worker.name"),
     ("a=ftp://h:1", "worker a.url"),
@@ -44,6 +46,7 @@ def test_bad_worker_flags_name_the_field(text: str, field: str) -> None:
     assert err.value.field == field
 
 
+@pytest.mark.unit
 def test_file_and_flags_merge_with_flags_winning(tmp_path: Path) -> None:
     """A YAML file gives workers, namespace and weights; command-line flags override."""
     config = tmp_path / "router.yaml"
@@ -61,6 +64,7 @@ def test_file_and_flags_merge_with_flags_winning(tmp_path: Path) -> None:
     assert cfg.block_size == 32
 
 
+@pytest.mark.unit
 def test_weights_preset_tuned_is_the_simulator_recommendation_and_flags_adjust_it() -> None:
     """Risk: the documented `--weights-preset tuned` does not give the weights the simulator
     benchmark measured, or a flag next to it is ignored."""
@@ -76,6 +80,7 @@ def test_weights_preset_tuned_is_the_simulator_recommendation_and_flags_adjust_i
     assert plain.weights == CostWeights()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("data", "field"), [
     ({"workers": ["a=http://h:1"]}, "namespace"),
     ({"workers": ["a=http://h:1"], "namespace_digest": "00" * 16}, "block_size"),
@@ -113,6 +118,7 @@ def test_bad_settings_name_the_field(data: dict, field: str) -> None:
     assert err.value.field == field
 
 
+@pytest.mark.unit
 def test_trust_flags_default_closed_and_reach_the_config(tmp_path: Path) -> None:
     """Risk: a hardening default is open, or a trust flag or file setting is lost. By default
     request templates are not rendered and cache details are not exposed; the flags switch
@@ -137,6 +143,7 @@ def test_trust_flags_default_closed_and_reach_the_config(tmp_path: Path) -> None
     assert filed.trust_request_chat_template and filed.tokenize_pending_bound == 5
 
 
+@pytest.mark.unit
 def test_cli_reports_config_errors_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     """A bad flag exits 2 with the field and the fix; a peer endpoint without the peer
     secret too, and an unreadable operator token file; --version prints the version."""
@@ -154,6 +161,7 @@ def test_cli_reports_config_errors_and_version(capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().out.startswith("kvcr-router 0.1")
 
 
+@pytest.mark.integration
 def test_console_script_dispatches_simulate() -> None:
     """`kvcr-router simulate` reaches the simulator's own command line."""
     exe = Path(sys.executable).parent / "kvcr-router"
@@ -162,6 +170,7 @@ def test_console_script_dispatches_simulate() -> None:
     assert out.returncode == 0 and "--requests" in out.stdout, out.stderr
 
 
+@pytest.mark.unit
 def test_shipped_example_config_is_valid() -> None:
     """examples/router.yaml (referenced by docs/router.md) loads as written."""
     example = Path(__file__).resolve().parents[3] / "examples" / "router.yaml"
@@ -170,6 +179,7 @@ def test_shipped_example_config_is_valid() -> None:
     assert cfg.weights == CostWeights() and cfg.block_size == 16
 
 
+@pytest.mark.integration
 def test_a_served_router_exports_process_and_build_info() -> None:
     """Risk: the router's /metrics says nothing of the process (memory, CPU, open files) or
     the version running, so it cannot be alerted on like the rest of the fleet."""

@@ -17,6 +17,8 @@ from kvcr_router.hashing import PromptHasher
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.metrics import RouterMetrics
 
+pytestmark = pytest.mark.unit
+
 DIGEST = bytes(range(16))
 TOKENS = [(i * 31) % 1000 + 3 for i in range(32 * 5)]
 HASHES = PromptHasher(DIGEST, 32).hashes(TOKENS)

@@ -28,6 +28,8 @@ from kvcr_router.indexer import Tier
 from kvcr_router.testing import FakeInventory, FakeWorker, serving
 from kvcr_router.tokenizing import UNHASHED_REASONS
 
+pytestmark = pytest.mark.unit
+
 DIGEST = bytes(range(16))
 BLOCK = 4
 # 100 million loop turns that print nothing: seconds of Jinja for a 166-byte template.

@@ -11,6 +11,8 @@ import pytest
 from kvcr_core.keys import NamespaceSpec, router_hashes, sequence_keys
 from kvcr_router.hashing import HfTokenizer, PromptHasher
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[3]
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=32,
                      num_layers=4, num_kv_heads=2, head_dim=64, layout="vllm-0.32.0/cpu/AVX2")

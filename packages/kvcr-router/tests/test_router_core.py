@@ -10,6 +10,8 @@ from kvcr_core.errors import ConfigError
 from kvcr_router.cost import CostWeights, WorkerLoad, choose, evaluate
 from kvcr_router.indexer import BlockIndexer, Tier
 
+pytestmark = pytest.mark.unit
+
 H = list(range(100, 140))  # the prompt's 40 router hashes
 
 

@@ -23,7 +23,7 @@ from kvcr_bench.vllm_servers import CPU_ENV, Process
 from kvcr_core.testing.ports import free_port
 from kvcr_router.hashing import HfTokenizer, PromptHasher
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[3]
 SECRET = "router-e2e-peer-secret-0123456789abcdef"

@@ -28,6 +28,8 @@ from kvcr_router.simulate.fleet import Job, LRUTier, SimWorker
 from kvcr_router.simulate.report import percentile, summarize
 from kvcr_router.simulate.workload import preset
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("kind", list(WorkloadKind))
 def test_generator_is_deterministic_and_well_formed(kind: WorkloadKind) -> None:

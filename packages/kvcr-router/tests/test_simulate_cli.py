@@ -16,6 +16,8 @@ from kvcr_router.cost import Candidate, CostWeights, WorkerLoad, evaluate
 from kvcr_router.indexer import BlockIndexer, Tier
 from kvcr_router.simulate import main
 
+pytestmark = pytest.mark.integration
+
 SMALL = ["--workers", "4", "--device-blocks", "800", "--pool-blocks", "2000"]
 
 

@@ -46,6 +46,7 @@ def indices(first_page: int, n_pages: int) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+@pytest.mark.unit
 def test_dynamic_backend_loads_from_real_sglang_cli_arguments() -> None:
     """Risk: the documented SGLang flags do not load kvcr (wrong keys, wrong constructor)."""
     import argparse
@@ -70,6 +71,7 @@ def test_dynamic_backend_loads_from_real_sglang_cli_arguments() -> None:
         stop(ctrl)
 
 
+@pytest.mark.unit
 def test_a_typo_in_the_extra_config_is_an_error_naming_the_key() -> None:
     """Risk: a misspelt key silently runs without the intended setting."""
     with pytest.raises(ValueError) as err:
@@ -78,6 +80,7 @@ def test_a_typo_in_the_extra_config_is_an_error_naming_the_key() -> None:
     assert "sokcet" in str(err.value) or "sokcet" in str(err.value.__cause__)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("interface", ["v1", "generic"])
 def test_round_trip_is_bit_exact_through_the_controller_io_paths(layout: str,
@@ -103,6 +106,7 @@ def test_round_trip_is_bit_exact_through_the_controller_io_paths(layout: str,
         stop(ctrl)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_generic_and_zero_copy_store_the_same_bytes(layout: str) -> None:
     """Risk: a page written by one interface is read permuted by the other."""
@@ -120,6 +124,7 @@ def test_generic_and_zero_copy_store_the_same_bytes(layout: str) -> None:
         stop(ctrl)
 
 
+@pytest.mark.unit
 def test_real_controller_threads_back_up_and_prefetch_through_kvcr() -> None:
     """Risk: kvcr works when called directly but not from SGLang's own backup / prefetch /
     I/O threads (thread safety, the prefix query, the ack protocol)."""
@@ -159,6 +164,7 @@ def test_real_controller_threads_back_up_and_prefetch_through_kvcr() -> None:
         stop(ctrl)
 
 
+@pytest.mark.unit
 def test_namespaces_keep_layouts_and_ranks_apart() -> None:
     """Risk: page_first bytes served to a layer_first pool, or rank 0's shard to rank 1."""
     ctrl_a, _host_a = rig("page_first", {"interface_v1": 1, "pool_bytes": "64MiB"})
@@ -190,6 +196,7 @@ def test_namespaces_keep_layouts_and_ranks_apart() -> None:
             == namespace_for(mla1, backend_geometry, settings).digest())
 
 
+@pytest.mark.unit
 def test_cache_salt_changes_sglang_keys_so_pages_never_cross_namespaces() -> None:
     """Risk: a salted request reads another tenant's pages."""
     from sglang.srt.mem_cache.utils import storage_namespace_seed
@@ -200,6 +207,7 @@ def test_cache_salt_changes_sglang_keys_so_pages_never_cross_namespaces() -> Non
     assert not set(plain) & set(salted)
 
 
+@pytest.mark.integration
 def test_clear_drops_this_namespace(harness, short_tmp: str) -> None:  # type: ignore[no-untyped-def]
     """Risk: SGLang's clear endpoint leaves pages that it promised were gone."""
     guard = harness.Guard(short_tmp).start()
@@ -216,6 +224,7 @@ def test_clear_drops_this_namespace(harness, short_tmp: str) -> None:  # type: i
         stop(ctrl)
 
 
+@pytest.mark.integration
 def test_a_prefaulted_guards_pool_is_mapped_ahead_of_the_copies(harness, short_tmp: str
                                                                   ) -> None:  # type: ignore[no-untyped-def]
     """Risk: SGLang's first copies into and out of each page of a --prefault guard's pool
@@ -240,6 +249,7 @@ def test_a_prefaulted_guards_pool_is_mapped_ahead_of_the_copies(harness, short_t
         stop(ctrl)
 
 
+@pytest.mark.integration
 def test_two_sglang_processes_share_pages_through_one_guard(harness, short_tmp: str
                                                             ) -> None:  # type: ignore[no-untyped-def]
     """Risk: pages stored by one SGLang process are not found, or not byte-exact, in another."""
@@ -260,6 +270,7 @@ def test_two_sglang_processes_share_pages_through_one_guard(harness, short_tmp: 
     assert guard.metric("kvcr_lookup_hit_blocks_total") >= 8
 
 
+@pytest.mark.unit
 def test_guard_down_means_misses_and_sglang_proceeds(short_tmp: str) -> None:
     """Risk: kvcr being unreachable fails or hangs SGLang's storage threads."""
     ctrl, _host = rig("page_first", {"interface_v1": 1, "mode": "guarded",
@@ -277,6 +288,7 @@ def test_guard_down_means_misses_and_sglang_proceeds(short_tmp: str) -> None:
         stop(ctrl)
 
 
+@pytest.mark.unit
 def test_random_backend_failures_never_serve_a_corrupted_page(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: with SGLang's failure injector on, a failed store leaves a page that reads back
@@ -302,6 +314,7 @@ def test_random_backend_failures_never_serve_a_corrupted_page(
         stop(ctrl)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("verify", [False, True])
 def test_verified_reads_never_serve_a_page_changed_in_the_pool(verify: bool) -> None:
     """Risk: a page scribbled over in the shared pool after its commit is read into SGLang's
@@ -335,6 +348,7 @@ def test_verified_reads_never_serve_a_page_changed_in_the_pool(verify: bool) -> 
         stop(ctrl)
 
 
+@pytest.mark.unit
 def test_v2_hybrid_pools_round_trip_and_apply_sglang_hit_policies() -> None:
     """Risk: hybrid models (KV plus a Mamba state pool, SGLang's v2 interface) restore a
     prefix whose side state is missing, or restore side state permuted."""

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 import torch  # noqa: E402

@@ -16,6 +16,8 @@ import pytest
 
 from kvcr_core.testing.ports import free_port
 
+pytestmark = pytest.mark.integration
+
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
 SECRET = b"sglang-pull-test-secret-0123456789"

@@ -16,6 +16,7 @@ BASE = {"backend_name": "kvcr", "module_path": "kvcr_sglang.hicache",
         "class_name": "KVCRHiCacheStorage", "interface_v1": 1, "prefetch_threshold": 256}
 
 
+@pytest.mark.unit
 def test_sglang_keys_are_accepted_and_kvcr_keys_parsed() -> None:
     """Risk: SGLang's own keys in the same mapping are refused, or kvcr's are ignored."""
     s = BackendSettings.from_extra_config({**BASE, "mode": "guarded", "socket": "/run/g.sock",
@@ -25,6 +26,7 @@ def test_sglang_keys_are_accepted_and_kvcr_keys_parsed() -> None:
     assert embedded.mode is Mode.EMBEDDED and embedded.socket.startswith("\0kvcr-sglang-")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("extra", "field"), [
     ({"sokcet": "/x"}, "sokcet"),
     ({"mode": "guarded"}, "socket"),
@@ -41,6 +43,7 @@ def test_bad_extra_config_names_the_field_and_the_fix(extra: dict[str, object],
     assert field in str(err.value)
 
 
+@pytest.mark.unit
 def test_keys_and_router_hashes_follow_sglang_page_hashes() -> None:
     """Risk: the block key or the router hash of a page differs from what SGLang's events and
     another kvcr node compute for the same page."""
@@ -51,6 +54,7 @@ def test_keys_and_router_hashes_follow_sglang_page_hashes() -> None:
     assert len(block_key("custom-key")) == 16 and block_key("a") != block_key("b")
 
 
+@pytest.mark.integration
 def test_importing_kvcr_sglang_pulls_in_neither_sglang_nor_torch() -> None:
     """Risk: the package drags SGLang/torch into processes that only read its settings."""
     code = ("import sys, kvcr_sglang, kvcr_sglang.settings, kvcr_sglang.pagestore; "
@@ -60,6 +64,7 @@ def test_importing_kvcr_sglang_pulls_in_neither_sglang_nor_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.unit
 def test_shipped_example_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     """Risk: the documented examples/sglang configs fail at SGLang start-up."""
     import json

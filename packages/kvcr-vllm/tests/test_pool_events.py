@@ -31,6 +31,8 @@ from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
+pytestmark = pytest.mark.unit
+
 BLOCK_TOKENS = 4
 BLOCK = 4096
 TOKENS = list(range(100, 133))  # 8 full blocks and one partial

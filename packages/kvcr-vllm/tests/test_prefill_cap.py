@@ -26,6 +26,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcr_vllm.prefill_cap import PrefillCapScheduler, cap_for_step, checked_cap
 
+pytestmark = pytest.mark.unit
+
 CAP = 256
 BLOCK = 32
 COLD = 1088  # a conversation's first turn in kvcr bench serve: 1,088 uncached tokens

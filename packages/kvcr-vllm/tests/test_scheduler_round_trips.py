@@ -18,8 +18,7 @@ pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and
 
 from prometheus_client import CollectorRegistry
 
-from kvcr_core.attach import AttachClient, AttachServer, ServerConfig
-from kvcr_core.attach.host import RunnerHost
+from kvcr_core.attach import AttachClient, AttachServer, RunnerHost, ServerConfig
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner

@@ -27,6 +27,8 @@ from kvcr_vllm.scheduler import KVCRConnectorScheduler
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
 
+pytestmark = pytest.mark.unit
+
 BLOCK_TOKENS = 4
 BLOCK = 4096
 PEER = "tcp://10.0.0.2:7500"

@@ -19,7 +19,7 @@ from kvcr_core.attach import AttachClient
 from kvcr_core.keys import sequence_keys
 from kvcr_vllm.settings import namespace_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = [(i * 7919) % 2000 + 4 for i in range(2100)]  # 65 full blocks of 32 + 20 tokens
 FULL_BLOCK_TOKENS = (len(PROMPT) // 32) * 32

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 PROMPT = [(i * 7919) % 2000 + 4 for i in range(700)]  # 21 full blocks of 32 + 28 tokens
 

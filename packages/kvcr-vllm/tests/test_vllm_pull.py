@@ -18,7 +18,7 @@ from kvcr_core.keys import sequence_keys
 from kvcr_core.testing.ports import free_port
 from kvcr_vllm.settings import namespace_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SECRET = "e2e-pull-secret-0123456789abcdefghij"
 PROMPT = [(i * 7919) % 2000 + 4 for i in range(2100)]  # 65 full blocks of 32 + 20 tokens

@@ -11,6 +11,8 @@ from kvcr_core.attach import Mode
 from kvcr_core.errors import ConfigError
 from kvcr_vllm.settings import ConnectorSettings
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("extra,field", [
     ({"mode": "guraded"}, "kv_connector_extra_config.mode"),

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 

@@ -26,6 +26,7 @@ from kvcr_core.attach.hinted_fetch import (
     Skipped,
     hinted_run,
 )
+from kvcr_core.attach.host import RunnerHost
 from kvcr_core.attach.ops import (
     ClientClosed,
     Handle,
@@ -69,6 +70,7 @@ __all__ = [
     "PoolStats",
     "RefusalReason",
     "RunnerError",
+    "RunnerHost",
     "RunnerOps",
     "RunnerRefused",
     "RunnerService",

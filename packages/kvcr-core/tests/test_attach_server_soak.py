@@ -14,6 +14,8 @@ import pytest
 from kvcr_core.attach import AttachClient
 from kvcr_core.keys import NamespaceSpec
 
+pytestmark = pytest.mark.integration
+
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
