@@ -1,7 +1,8 @@
 """`kvcr bench pool`: the Runner's local data path against a same-run memcpy (bench_copy),
 plus the index: lookup of 1,000 READY keys, index operations per second (per-key reserve,
 commit, acquire and release through the store, metrics included) and index bytes per block
-measured with tracemalloc at 1M READY blocks.
+measured with tracemalloc at 1M READY blocks; and a vLLM scheduler's lookup against its
+embedded Runner, in-process against over its socket (kvcr_bench.embedded).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvcr_bench.copies import (
     min_ratio_256k,
     report,
 )
+from kvcr_bench.embedded import embedded_lookup_us
 from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.eviction import LRUPolicy
 from kvcr_core.index import BlockIndex
@@ -33,7 +35,8 @@ from kvcr_core.testing import random_keys
 from kvcr_core.types import BlockKey, NamespaceDigest
 
 TARGETS = {"min_ratio_vs_memcpy_256k": (">=", 0.85), "lookup_1000_keys_us": ("<=", 100.0),
-           "index_ops_per_s": (">=", 500_000.0), "index_bytes_per_block": ("<=", 200.0)}
+           "index_ops_per_s": (">=", 500_000.0), "index_bytes_per_block": ("<=", 200.0),
+           "embedded_lookup_tp2_speedup": (">=", 1.0)}
 
 
 def _copy_row(block_bytes: int, total_bytes: int, reps: int) -> dict[str, Any]:
@@ -107,7 +110,8 @@ def _index_bytes_per_block(n_blocks: int) -> float:
 def run_pool_bench(*, quick: bool, as_json: bool) -> int:
     total = 96 * MIB if quick else 256 * MIB
     reps = 3 if quick else 7
-    steps = [*(f"copy {b // KIB} KiB" for b in BLOCK_SIZES), "lookup", "index ops", "index size"]
+    steps = [*(f"copy {b // KIB} KiB" for b in BLOCK_SIZES), "lookup", "index ops", "index size",
+             "embedded lookup"]
     bar = tqdm(steps, desc="kvcr bench pool", file=sys.stderr, disable=None, leave=False)
     rows = []
     for block_bytes in BLOCK_SIZES:
@@ -119,10 +123,12 @@ def run_pool_bench(*, quick: bool, as_json: bool) -> int:
     bar.update()
     bytes_per_block = _index_bytes_per_block(1_000_000)
     bar.update()
+    embedded = embedded_lookup_us(500 if quick else 2000)
+    bar.update()
     bar.close()
     summary = {"min_ratio_vs_memcpy_256k": min_ratio_256k(rows), **checksum_summary(rows),
                "lookup_1000_keys_us": lookup_us, "index_ops_per_s": ops,
-               "index_bytes_per_block": bytes_per_block}
+               "index_bytes_per_block": bytes_per_block, **embedded}
     result = {"bench": "pool", "quick": quick, "batch_blocks": BATCH, "bytes_per_size": total,
               "rows": rows, "summary": summary}
     report(f"kvcr bench pool{' --quick' if quick else ''}: {total // MIB} MiB per size, "
