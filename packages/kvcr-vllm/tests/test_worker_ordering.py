@@ -241,7 +241,8 @@ def test_a_failed_copy_aborts_the_save_and_fails_the_load(guard, engine) -> None
 
 def test_the_pool_is_unpinned_before_it_is_unmapped(short_tmp, harness, engine) -> None:
     """kvcr-guard restarts: the worker re-attaches to the new pool, unpinning the old mapping
-    (after its copies) before letting it go; at shutdown it unpins before detaching."""
+    (after its copies) before letting it go, and tells the scheduler its earlier saves are
+    suspect (they went with the old daemon); at shutdown it unpins before detaching."""
     guard = harness.Guard(short_tmp, *GUARD_ARGS).start()
     stats = StatsRecorder()
     worker = make_worker(guard.socket, engine, stats)
@@ -249,15 +250,19 @@ def test_the_pool_is_unpinned_before_it_is_unmapped(short_tmp, harness, engine) 
     step(worker, saves("a", (1,), 0))
     engine.drain()
     worker.get_finished(set())
+    first = worker.report()
+    assert first is not None and len(first.saved_keys) == 1 and not first.suspect
     guard.stop()
     restarted = harness.Guard(short_tmp, *GUARD_ARGS).start()
     step(worker, saves("b", (2,), 100))  # the old connection is dead: this save is lost
-    time.sleep(0.2)  # past the re-attach backoff
+    worker.client.attach()  # re-attach now (not after the back-off a step would wait for)
     reader = AttachClient(restarted.socket, SPEC, 2 * PAGE)
     third = saves("c", (3,), 200)
     step(worker, third)
     engine.drain()
     assert published(worker, reader, third) == 1
+    again = worker.report()  # what was reported saved before went with the old daemon
+    assert again is not None and again.suspect
     worker.shutdown()
     assert [event for event, _ in engine.log] == ["pin", "unpin", "unmap",
                                                   "pin", "unpin", "unmap"]
