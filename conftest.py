@@ -35,12 +35,14 @@ class Guard:
         self.socket = os.path.join(tmpdir, "g.sock")
         self.metrics_port = free_port()
         self.extra = extra
+        self.wrap: list[str] = []  # a command to run the daemon under (prlimit...)
         self.daemon: GuardProcess | None = None
 
     def start(self) -> Guard:
         self.daemon = GuardProcess(Path(self.dir), "--pool-bytes", "32MiB",
                                    "--namespace-pool-bytes", "8MiB", *self.extra,
-                                   socket_name="g.sock", metrics_port=self.metrics_port)
+                                   socket_name="g.sock", metrics_port=self.metrics_port,
+                                   wrap=self.wrap)
         return self
 
     @property

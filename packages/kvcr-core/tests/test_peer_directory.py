@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import array
 import threading
-import time
 import tracemalloc
 from collections.abc import Callable
 
@@ -60,7 +59,6 @@ def directory(feeds: dict[str, ScriptedFeed], **kw: int) -> tuple[PeerDirectory,
                       max_blocks=kw.get("max_blocks", 1000))
     for feed in feeds.values():
         assert feed.drained.wait(10)
-    time.sleep(0.05)  # the last apply
     return d, registry
 
 

@@ -18,7 +18,7 @@ from kvcr_core.attach import (
     HintedRun,
     Skipped,
 )
-from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.peers import FetchStatus
 from kvcr_core.testing import pattern_block
 from kvcr_core.testing.ports import free_port
@@ -120,7 +120,10 @@ def test_short_runs_are_not_offered_and_pull_on_miss_can_be_turned_off(
     keys = list(block_keys(SPEC.digest(), list(range(800, 820)), 4))
     try:
         writer.store(keys[:3], [pattern_block(k, BLOCK) for k in keys[:3]])
-        time.sleep(0.5)  # well past a few feed polls
+        hashes = [router_hash_kvcr_v1(k) for k in keys]
+        followed = b.server.host.peers.directory
+        assert followed is not None  # b follows a: wait until it saw the 3 blocks
+        assert eventually(lambda: followed.run(SPEC.digest(), hashes, 1)) == (a.peer_endpoint, 3)
         for embedded in (b, c):
             client = AttachClient(embedded.socket_path, SPEC, BLOCK)
             assert client.remote_run(keys) is None

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -90,11 +91,12 @@ class GuardProcess(Process):
 
     def __init__(self, workdir: Path, *flags: str, env: dict[str, str] | None = None,
                  socket_name: str = "guard.sock", metrics_port: int | None = None,
-                 ready_s: float = 30) -> None:
+                 ready_s: float = 30, wrap: Sequence[str] = ()) -> None:
+        """`wrap`: a command the daemon runs under (`prlimit --nofile=48:48`...)."""
         self.socket = str(workdir / socket_name)
         self.metrics_port = metrics_port
         metrics = ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
-        super().__init__([sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
+        super().__init__([*wrap, sys.executable, "-m", "kvcr_guard", "--socket", self.socket,
                           *metrics, *flags], workdir / "guard.log", env)
         deadline = time.monotonic() + ready_s
         while time.monotonic() < deadline:
