@@ -122,15 +122,18 @@ class Attachment:
     """Stands for an AttachClient: its pool, replaced by a fresh mapping on `reattach`."""
 
     def __init__(self) -> None:
-        self.pool = SlotPool.create(4, 2 * PAGE)
+        self.mapped = SlotPool.create(4, 2 * PAGE)
         self.attach_count = 1
 
+    def pool(self, ns: int = 0) -> SlotPool:
+        return self.mapped
+
     def reattach(self) -> None:
-        self.pool = SlotPool.create(4, 2 * PAGE)  # the old mapping goes once nobody holds it
+        self.mapped = SlotPool.create(4, 2 * PAGE)  # the old mapping goes once nobody holds it
         self.attach_count += 1
 
     def close(self) -> None:
-        self.pool.close()
+        self.mapped.close()
 
 
 def address(binding: PoolBinding) -> int:
@@ -170,7 +173,7 @@ def test_binding_counts_a_mapping_that_could_not_be_pinned() -> None:
             rows[0, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         with binding.use():
             pass
-        assert failed == [1] and bytes(client.pool.view(0))[:4] == b"\x01\x02\x03\x04"
+        assert failed == [1] and bytes(client.pool().view(0))[:4] == b"\x01\x02\x03\x04"
         binding.release()
     finally:
         engine.close()

@@ -145,13 +145,14 @@ def test_metrics_answer_as_soon_as_the_socket_exists(short_tmp, harness) -> None
 
     first = harness.Guard(short_tmp).start()
     os.mkdir(second := os.path.join(short_tmp, "b"))
-    taken = harness.Guard(second)
-    taken.args[taken.args.index("--metrics-port") + 1] = str(first.metrics_port)
-    taken.proc = subprocess.Popen(taken.args, stdout=taken.log, stderr=taken.log)
-    assert taken.proc.wait(timeout=30) == 1
-    assert f"cannot serve metrics on 127.0.0.1:{first.metrics_port}" in taken.logs()
-    assert "--metrics-port" in taken.logs() and not os.path.exists(taken.socket)
-    taken.log.close()
+    taken = subprocess.run([sys.executable, "-m", "kvcr_guard", "--socket",
+                            os.path.join(second, "g.sock"), "--metrics-port",
+                            str(first.metrics_port)], capture_output=True, text=True,
+                           timeout=30, check=False)
+    assert taken.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{first.metrics_port}" in taken.stderr
+    assert "--metrics-port" in taken.stderr
+    assert not os.path.exists(os.path.join(second, "g.sock"))
 
 
 def test_refuses_a_second_daemon_on_a_live_socket(guard) -> None:

@@ -37,7 +37,8 @@ def test_hashes_equal_the_vllm_connectors_chain() -> None:
     (the worker matches hint hashes against exactly these)."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     from kvcr_core.keys import router_hash_kvcr_v1
-    from kvcr_vllm.scheduler import KVCRConnectorScheduler, _RequestState
+    from kvcr_vllm.fetches import RequestState
+    from kvcr_vllm.scheduler import KVCRConnectorScheduler
     from kvcr_vllm.settings import ConnectorSettings
     from kvcr_vllm.stats import StatsRecorder
 
@@ -50,7 +51,7 @@ def test_hashes_equal_the_vllm_connectors_chain() -> None:
         request_id = "r1"
         all_token_ids = tokens
 
-    state = _RequestState(Request(), None)  # type: ignore[arg-type]
+    state = RequestState(Request(), None)  # type: ignore[arg-type]
     (keys,) = scheduler._keys(state, len(tokens) // 32)
     expected = [router_hash_kvcr_v1(k) for k in keys]
     assert len(expected) == 31
