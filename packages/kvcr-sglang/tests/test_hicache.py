@@ -240,7 +240,7 @@ def test_a_prefaulted_guards_pool_is_mapped_ahead_of_the_copies(harness, short_t
         keys = cpu_rig.page_keys(tokens(1, 5), SHAPE.page_tokens)
         cpu_rig.fill_pages(host, 1, 1, seed=5)
         assert ctrl.page_set_func(keys, indices(1, 1))
-        region = ctrl.storage_backend.store.client.pool.region
+        region = ctrl.storage_backend.store.client.pool().region
         deadline = time.monotonic() + 30
         while mapped_kib(region.address) < region.size_bytes // 1024:
             assert time.monotonic() < deadline, mapped_kib(region.address)
@@ -334,7 +334,7 @@ def test_verified_reads_never_serve_a_page_changed_in_the_pool(verify: bool) -> 
         assert ctrl.page_set_func(keys, indices(1, 3)) is True
         client = ctrl.storage_backend.store.client
         lease = client.acquire([block_key(k) for k in keys])
-        client.pool.view(lease.slots[1])[64:72] = b"scribble"
+        client.pool().view(lease.slots[1])[64:72] = b"scribble"
         client.release(lease.op)
         cpu_rig.zero_pages(host, 8, 3)
         got = ctrl.page_get_func(PrefetchOperation("r", []), keys, indices(8, 3))

@@ -67,7 +67,7 @@ def run_sglang_bench(*, quick: bool, as_json: bool) -> int:
         **KVCR_EXTRA, "interface_v1": 1, "pool_bytes": pool_bytes})
     try:
         backend = kvcr.storage_backend
-        backend.store.client.pool.region.prefault()  # as the memcpy floor's buffer: no faults
+        backend.store.client.pool().region.prefault()  # as the memcpy floor's buffer: no faults
         rows["kvcr_v1"] = {
             "write_gbps": _median_gbps(nbytes, lambda r: kvcr.page_set_func(keys[r], src), reps),
             "read_gbps": _median_gbps(
