@@ -11,9 +11,8 @@ from kvcr_core.attach import Mode
 from kvcr_core.errors import ConfigError
 from kvcr_vllm.settings import ConnectorSettings
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 @pytest.mark.parametrize("extra,field", [
     ({"mode": "guraded"}, "kv_connector_extra_config.mode"),
     ({"mode": "guarded"}, "kv_connector_extra_config.socket"),
@@ -41,6 +40,7 @@ def test_bad_extra_config_names_the_field(extra: dict, field: str) -> None:
     assert field in str(err.value)
 
 
+@pytest.mark.unit
 def test_extra_config_defaults_and_values() -> None:
     """Embedded by default on a private short socket; guarded takes the given socket."""
     default = ConnectorSettings.from_extra_config({}, "0123456789abcdef-engine")
@@ -59,6 +59,7 @@ def test_extra_config_defaults_and_values() -> None:
     assert ahead.back_ahead_bytes == 256 << 20 and not ahead.prefault
 
 
+@pytest.mark.unit
 def test_stats_aggregate_reduce_and_bounded_labels() -> None:
     """Stats from workers and the scheduler add up; the load-time sample list stays bounded."""
     pytest.importorskip("vllm", reason="stats subclass vLLM's KVConnectorStats")
@@ -82,6 +83,7 @@ def test_stats_aggregate_reduce_and_bounded_labels() -> None:
         a.failure("made_up_reason")
 
 
+@pytest.mark.unit
 def test_plugin_registers_the_connector_name_once() -> None:
     """The vllm.general_plugins entry point makes "KVCRConnector" resolvable by name."""
     pytest.importorskip("vllm", reason="registration needs vLLM's factory")
@@ -101,6 +103,7 @@ def test_plugin_registers_the_connector_name_once() -> None:
     assert by_name is by_path and by_name.__name__ == "KVCRConnector"
 
 
+@pytest.mark.unit
 def test_unsupported_vllm_version_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside the supported vLLM versions the connector refuses with a clear message."""
     vllm = pytest.importorskip("vllm", reason="needs vLLM")
@@ -111,6 +114,7 @@ def test_unsupported_vllm_version_refuses_clearly(monkeypatch: pytest.MonkeyPatc
         connector.check_vllm_version()
 
 
+@pytest.mark.unit
 def test_shipped_examples_are_valid_connector_configs() -> None:
     """The example kv-transfer-configs in examples/vllm parse with the connector's rules."""
     import json
@@ -132,6 +136,7 @@ def _in_fresh_vllm(code: str, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, check=False, env={**os.environ, **env})
 
 
+@pytest.mark.integration
 def test_an_unsupported_vllm_gets_the_clear_error_not_an_unknown_connector() -> None:
     """Risk: under another vLLM version the plugin registered nothing, so vLLM failed with
     "unknown connector" and no hint why; and raising in the plugin would break every vLLM
@@ -151,6 +156,7 @@ def test_an_unsupported_vllm_gets_the_clear_error_not_an_unknown_connector() -> 
     assert "supports vLLM 0.32.x; this is vLLM 0.99.1" in out.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("level, shown", [("INFO", True), ("WARNING", False)])
 def test_kvcr_log_lines_go_through_vllms_handler_at_its_level(level: str, shown: bool) -> None:
     """Risk: kvcr's INFO lines vanish in a vLLM server and its warnings print without time
