@@ -28,23 +28,6 @@ def keys_for(prompt: int, blocks: int) -> list[bytes]:
     return sequence_keys(SPEC, [prompt * 100_000 + t for t in range(16 * blocks)])
 
 
-def read_line(proc: subprocess.Popen[str]) -> dict[str, int]:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, proc.stderr.read() if proc.stderr else "worker died"
-    return json.loads(line)  # type: ignore[no-any-return]
-
-
-def kill_and_settle(proc: subprocess.Popen[str], observer: AttachClient, field: str):
-    """SIGKILLs a client, then waits (10 s at most) until the daemon reclaimed `field`."""
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while getattr(observer.stats(), field) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return observer.stats()
-
-
 def test_daemon_death_fails_open_then_reattaches_cold(short_tmp, harness) -> None:
     """Daemon killed: typed error, no hang; after it returns the client re-attaches (cold)."""
     guard = harness.Guard(short_tmp).start()
