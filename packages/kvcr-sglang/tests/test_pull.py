@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,8 @@ def test_pages_stored_on_one_node_are_pulled_by_sglang_on_the_other(
                                     "--peer-secret-file", secret_file).start()
     wrote = side(nodes["a"].socket, "write")
     assert wrote["stored"] == 8
-    time.sleep(0.5)  # node B's follower polls node A's inventory every 0.1 s
+    # node B follows node A's inventory: wait until it knows the 8 pages
+    assert nodes["b"].settled_metric("kvcr_peer_feed_blocks", 8, 10, peer=ep_a) == 8
     read = side(nodes["b"].socket, "read", peers=[ep_a], fetch_deadline_s=5)
     assert read["hits"] == 8 and read["filled"] == 8
     assert read["digest"] == wrote["digest"]
