@@ -104,11 +104,13 @@ class AttachClient:
         return found
 
     def lookup_all(self, keys: Sequence[Sequence[BlockKey]]) -> int:
+        """Every namespace's keys in one request while they fit `MAX_KEYS_PER_REQUEST`
+        together, else in parts, only while every block so far is READY."""
         step = max(1, p.MAX_KEYS_PER_REQUEST // max(1, len(keys)))
-        longest = min((len(k) for k in keys), default=0)
+        common = min((len(k) for k in keys), default=0)  # blocks every namespace names
         found = 0
-        for start in range(0, longest, step):
-            parts: list[list[bytes]] = [list(k[start:min(start + step, longest)]) for k in keys]
+        for start in range(0, common, step):
+            parts: list[list[bytes]] = [list(k[start:min(start + step, common)]) for k in keys]
             n = self._one(p.LookupAll(parts), p.Count).n
             found += n
             if n < len(parts[0]):
