@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
-from collections.abc import Callable
 
+from kvcr_bench.copies import median_time
 from kvcr_core.attach import AttachClient, EmbeddedRunner, EngineSettings, RunnerOps
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys
@@ -25,15 +23,6 @@ def _spec(rank: int, tp: int) -> NamespaceSpec:
     return NamespaceSpec(model_id="bench", dtype="float32", kv_dtype="float32",
                          block_size_tokens=16, num_layers=2, num_kv_heads=2, head_dim=64,
                          layout="bench/embedded", tp_size=tp, tp_rank=rank)
-
-
-def _median_us(call: Callable[[], int], reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def embedded_lookup_us(reps: int) -> dict[str, float]:
@@ -56,7 +45,7 @@ def embedded_lookup_us(reps: int) -> dict[str, float]:
             ops: dict[str, RunnerOps] = {"socket": socket_client, "in_process": in_process}
             for name, runner in ops.items():
                 assert runner.lookup_all(keys) == _KEYS // 2
-                out[f"embedded_lookup_tp{tp}_{name}_us"] = _median_us(
+                out[f"embedded_lookup_tp{tp}_{name}_us"] = 1e6 * median_time(
                     functools.partial(runner.lookup_all, keys), reps)
             socket_client.close()
             in_process.close()
