@@ -22,30 +22,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     reason="new PID namespaces need root and unshare (util-linux); CI runs as root")]
 
 
-def in_own_pid_namespace(*argv: str, log: Path) -> subprocess.Popen[bytes]:
-    """`argv` as PID 1 of a new PID namespace (killed with the unshare process)."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", *argv],
-                                stdout=out, stderr=subprocess.STDOUT)
-
-
-def test_guard_reclaims_a_killed_engine_in_a_sibling_pid_namespace(short_tmp, tmp_path) -> None:
+def test_guard_reclaims_a_killed_engine_in_a_sibling_pid_namespace(short_tmp) -> None:
     """Risk: with separate PID namespaces (the pods' default) the guard never notices a dead
     engine, so its reserved (FILLING) blocks stay held forever."""
+    from kvcr_bench.processes import GuardProcess
     from kvcr_core.attach import AttachClient
     from kvcr_core.keys import NamespaceSpec
 
-    sock = os.path.join(short_tmp, "g.sock")
-    guard = in_own_pid_namespace(sys.executable, "-m", "kvcr_guard", "--socket", sock,
-                                 "--pool-bytes", "32MiB", "--namespace-pool-bytes", "8MiB",
-                                 log=tmp_path / "guard.log")
+    guard = GuardProcess(Path(short_tmp), "--pool-bytes", "32MiB", "--namespace-pool-bytes",
+                         "8MiB", socket_name="g.sock",
+                         wrap=["unshare", "--pid", "--fork", "--kill-child"])  # its own PID 1
+    sock = guard.socket
     worker = None
     try:
-        deadline = time.monotonic() + 20
-        while not os.path.exists(sock):
-            assert guard.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "guard.log").read_text()
-            time.sleep(0.05)
         worker = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", sys.executable, str(WORKER), sock,
              "hang-writing", "7", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -64,9 +53,9 @@ def test_guard_reclaims_a_killed_engine_in_a_sibling_pid_namespace(short_tmp, tm
         assert observer.stats().filling_blocks == 0
         observer.close()
     finally:
-        for proc in (worker, guard):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    log = (tmp_path / "guard.log").read_text()
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=10)
+        guard.stop()
+    log = guard.tail(100_000)
     assert "(pid 0, " in log and "worker-hang-writing) closed: eof" in log, log
