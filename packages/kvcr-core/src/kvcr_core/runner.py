@@ -70,6 +70,11 @@ class NamespaceStore:
         with self.lock:
             return self.index.contains(keys)
 
+    def op_size(self, op: OpId) -> int:
+        """Slots reservation or lease `op` holds (0: no such op)."""
+        with self.lock:
+            return self.index.op_size(op)
+
     def clear(self) -> int:
         """Drops every READY block not being read; returns how many went."""
         with self.lock:

@@ -52,12 +52,13 @@ class ClientLimits:
 class RequestBudget:
     """What one request may still make the server do (see the module docstring)."""
 
-    __slots__ = ("_cheap", "_heavy", "_hint", "refused")
+    __slots__ = ("_cheap", "_heavy", "_hint", "in_process", "refused")
 
     def __init__(self, heavy: int = p.MAX_HEAVY_KEYS_PER_REQUEST,
                  cheap: int = p.MAX_KEYS_PER_REQUEST, hint: int = p.MAX_ATTACH_HINT_BYTES
                  ) -> None:
         self._heavy, self._cheap, self._hint = heavy, cheap, hint
+        self.in_process = heavy >= _UNBOUNDED  # nothing to count
         self.refused = 0  # keys, slots or hints refused for the budget
 
     @classmethod
@@ -66,6 +67,9 @@ class RequestBudget:
 
     def heavy(self, keys: Sequence[T]) -> Sequence[T]:
         """The leading keys the budget still covers for a reserve or a lease."""
+        if len(keys) <= self._heavy:  # the usual case: no copy of the keys
+            self._heavy -= len(keys)
+            return keys
         take = keys[:self._heavy]
         self._heavy -= len(take)
         self.refused += len(keys) - len(take)
@@ -80,6 +84,9 @@ class RequestBudget:
         return True
 
     def cheap(self, keys: Sequence[T]) -> Sequence[T]:
+        if len(keys) <= self._cheap:
+            self._cheap -= len(keys)
+            return keys
         take = keys[:self._cheap]
         self._cheap -= len(take)
         self.refused += len(keys) - len(take)
@@ -188,10 +195,16 @@ class RunnerService:
     def reserve_async(self, keys: Sequence[BlockKey], ns: int = 0) -> Ready[Reservation]:
         return Ready(self.reserve(keys, ns))
 
+    def _fits(self, store: NamespaceStore, op: OpId) -> bool:
+        """Whether ending `op` fits this request's budget (always, in-process)."""
+        if op == NO_OP:
+            return False
+        return self._budget.in_process or self._budget.spend(store.op_size(op))
+
     def commit(self, op: OpId, checksums: Sequence[int], ns: int = 0) -> int:
         """Raises ValueError, changing nothing, for a wrong count of checksums."""
         store = self._store(ns)
-        if op == NO_OP or not self._budget.spend(store.index.op_size(op)):
+        if not self._fits(store, op):
             return 0
         return store.commit(op, self.owner, checksums)
 
@@ -200,7 +213,7 @@ class RunnerService:
 
     def abort(self, op: OpId, ns: int = 0) -> int:
         store = self._store(ns)
-        if op == NO_OP or not self._budget.spend(store.index.op_size(op)):
+        if not self._fits(store, op):
             return 0
         return store.abort(op, self.owner)
 
@@ -227,7 +240,7 @@ class RunnerService:
 
     def release(self, op: OpId, ns: int = 0) -> bool:
         store = self._store(ns)
-        if op == NO_OP or not self._budget.spend(store.index.op_size(op)):
+        if not self._fits(store, op):
             return False
         return store.release(op, self.owner)
 
