@@ -111,7 +111,7 @@ def test_an_embedded_runner_fetches_hinted_blocks_by_ticket_and_stops_its_fetche
         default_socket=f"\0kvcr-attach-test-{os.getpid()}")
     settings = EngineSettings(**fields)
     embedded = EmbeddedRunner(settings)
-    client = AttachClient(settings.socket, SPEC, BLOCK, identity="test")
+    client = AttachClient(embedded.socket_path, SPEC, BLOCK, identity="test")
     try:
         fetcher = HintedFetcher(client, settings.peer.peers, 5.0)
         fetch = fetcher.start([keys], hinted_run(0, [server.endpoint] * 8))
@@ -189,7 +189,7 @@ def test_an_embedded_runner_backs_its_pool_at_attach_when_asked(backing: str) ->
         extra, field="cfg", default_socket=f"\0kvcr-prefault-test-{os.getpid()}-{backing}")
     embedded = EmbeddedRunner(EngineSettings(**fields),
                               runner=KVCRConfig(pool_bytes=pool, namespace_pool_bytes=pool))
-    client = AttachClient(fields["socket"], SPEC, BLOCK, identity="prefault")
+    client = AttachClient(embedded.socket_path, SPEC, BLOCK, identity="prefault")
     try:
         before = _rss_shmem_kib()
         client.attach()

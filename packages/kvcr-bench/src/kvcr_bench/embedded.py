@@ -37,7 +37,7 @@ def embedded_lookup_us(reps: int) -> dict[str, float]:
         for tp in (1, 2):
             specs = [_spec(r, tp) for r in range(tp)]
             keys = [list(block_keys(s.digest(), list(range(_KEYS * 16)), 16)) for s in specs]
-            socket_client = AttachClient(settings.socket, specs, _BLOCK, identity="bench")
+            socket_client = AttachClient(embedded.socket_path, specs, _BLOCK, identity="bench")
             in_process = embedded.service(specs, _BLOCK, identity="bench-in-process")
             for ns, rank_keys in enumerate(keys):
                 stored = rank_keys[:_KEYS // 2]

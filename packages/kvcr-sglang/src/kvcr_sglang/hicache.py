@@ -117,6 +117,10 @@ class KVCRHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is unt
                      ", ".join(map(str, side)))
         self.embedded = EmbeddedRunner(self.settings, runner=runner,
                                        metrics_offset=self.storage_config.tp_rank)
+        # its socket's name ends in a random part: this process's stores attach there
+        self.settings = dataclasses.replace(self.settings, socket=self.embedded.socket_path)
+        if self.store is not None:
+            self.store.client.retarget(self.embedded.socket_path)
 
     def _ready(self) -> tuple[HostPages, PageStore]:
         if self.pages is None or self.store is None:

@@ -24,6 +24,7 @@ and committed (offloads first wait for SGLang's `record_offload_ready` events).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -91,6 +92,7 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
         self.embedded: EmbeddedRunner | None = None
         if self.settings.mode is Mode.EMBEDDED:
             self.embedded = EmbeddedRunner(self.settings, metrics_offset=tp_rank)
+            self.settings = dataclasses.replace(self.settings, socket=self.embedded.socket_path)
         self.store = PageStore(self.settings, spec, 2 * self.num_layers * self.layer_bytes,
                                identity=self.settings.identity or f"sglang-linker-tp{tp_rank}")
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)

@@ -134,7 +134,8 @@ class PageStore:
         self.block_bytes = block_bytes
         self.verify_loads = settings.runner.verify_loads
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
-                                   timeout_s=settings.timeout_s, map_pages=True)
+                                   timeout_s=settings.timeout_s, map_pages=True,
+                                   runner_uids=settings.trusted_runner_uids)
         self.fetcher = HintedFetcher(self.client,
                                      settings.peer.peers if hinted else frozenset(),
                                      settings.peer.fetch_deadline_s)

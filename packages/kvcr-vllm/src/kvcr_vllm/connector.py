@@ -10,6 +10,7 @@ Use it with `--kv-transfer-config '{"kv_connector":"KVCRConnector","kv_role":"kv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +129,8 @@ class KVCRConnector(KVConnectorBase_V1):
 
             self._embedded = EmbeddedRunner(self.settings)
             runner = self._embedded.service(specs, block_bytes, identity=identity)
+            # the workers learn the socket (its random part) from the step's metadata
+            self.settings = dataclasses.replace(self.settings, socket=self._embedded.socket_path)
         elif self.settings.router_hint is not None:
             self._check_guard_endpoint(dp_rank)
         events = vllm_config.kv_events_config
@@ -166,8 +169,8 @@ class KVCRConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
-        # an embedded Runner starts with the scheduler side, after this: it attaches later
-        attach_at_start([self._worker.client], self.settings.socket)
+        if self.settings.mode is Mode.GUARDED:  # an embedded Runner starts after this, with
+            attach_at_start([self._worker.client], self.settings.socket)  # the scheduler
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -42,8 +42,12 @@ class SavePlan:
 
 @dataclasses.dataclass
 class KVCRConnectorMetadata(KVConnectorMetadata):
+    """`runner_socket`: where the workers attach (an embedded Runner's socket ends in a
+    random part only the scheduler side knows: no other uid can bind it first)."""
+
     loads: list[LoadPlan] = dataclasses.field(default_factory=list)
     saves: list[SavePlan] = dataclasses.field(default_factory=list)
+    runner_socket: str = ""
 
 
 @dataclasses.dataclass

@@ -100,7 +100,8 @@ class KVCRConnectorScheduler:
         self.stats = stats
         identity = settings.identity or f"vllm-scheduler-{engine_id[:12]}"
         self.runner: RunnerOps = runner if runner is not None else AttachClient(
-            settings.socket, specs, block_bytes, identity=identity, timeout_s=settings.timeout_s)
+            settings.socket, specs, block_bytes, identity=identity, timeout_s=settings.timeout_s,
+            runner_uids=settings.trusted_runner_uids)
         self.fetches = RequestFetches(settings, self.runner, stats, block_bytes, len(specs),
                                       clock, sleep, self._fetched)
         self.peer_endpoint = peer_endpoint
@@ -228,7 +229,7 @@ class KVCRConnectorScheduler:
             self.synchronous_loads))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
-        meta = KVCRConnectorMetadata(self._pending_loads, [])
+        meta = KVCRConnectorMetadata(self._pending_loads, [], self.settings.socket)
         self._pending_loads = []
         if self.settings.save:
             scheduled = scheduler_output.num_scheduled_tokens

@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvcr_core import SlotId
-from kvcr_core.attach import AttachClient, RunnerError
+from kvcr_core.attach import AttachClient, Mode, RunnerError
 from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.copyengine import (
     CopyEngine,
@@ -68,7 +68,8 @@ class KVCRConnectorWorker:
         self.stats = stats
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
-                                  timeout_s=settings.timeout_s, map_pages=True)
+                                  timeout_s=settings.timeout_s, map_pages=True,
+                                  runner_uids=settings.trusted_runner_uids)
         self.copy_engine = copy_engine
         self._planes: list[Plane] = []  # (bytes [blocks, page], offset in the slot, page)
         self._layers: dict[str, list[Plane]] = {}
@@ -117,9 +118,9 @@ class KVCRConnectorWorker:
                                     on_pin_failed=lambda: self.stats.failure("pin_failed"))
         self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
                                    self.block_tokens, self.stats)
-        if engine.asynchronous:  # pin now, at start-up, not in the first step's copies
-            with contextlib.suppress(RunnerError), self._binding.use():
-                pass  # (an embedded Runner may not be up yet: then the first copy pins)
+        if engine.asynchronous and self.settings.mode is Mode.GUARDED:  # pin now, not in the
+            with contextlib.suppress(RunnerError), self._binding.use():  # first step's copies
+                pass  # (an embedded Runner is not up yet: the first copy pins)
         log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
                  self.tp_rank, len(self._planes), offset, type(engine).__name__,
                  self.settings.socket)
@@ -137,7 +138,10 @@ class KVCRConnectorWorker:
     # -- per step ------------------------------------------------------------------------------
 
     def bind(self, metadata: KVCRConnectorMetadata) -> None:
-        """The step's metadata is bound: its saves' reservations go out now."""
+        """The step's metadata is bound: its saves' reservations go out now (to the Runner
+        the scheduler side names)."""
+        if metadata.runner_socket:
+            self.client.retarget(metadata.runner_socket)
         if self._saves is not None and metadata.saves:
             self._saves.begin(metadata)
 

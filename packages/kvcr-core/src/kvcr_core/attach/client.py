@@ -39,11 +39,14 @@ class AttachClient:
 
     def __init__(self, socket_path: str, namespaces: NamespaceSpec | Sequence[NamespaceSpec],
                  block_bytes: int, *, identity: str = "", timeout_s: float = 2.0,
-                 map_pages: bool = False, clock: Callable[[], float] | None = None) -> None:
+                 map_pages: bool = False, runner_uids: frozenset[int] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        """`runner_uids`: the uids whose Runner this client accepts (default: its own)."""
         specs = [namespaces] if isinstance(namespaces, NamespaceSpec) else list(namespaces)
         extra = {} if clock is None else {"clock": clock}
         self.connection = RunnerConnection(socket_path, specs, block_bytes, identity=identity,
-                                           timeout_s=timeout_s, map_pages=map_pages, **extra)
+                                           timeout_s=timeout_s, map_pages=map_pages,
+                                           runner_uids=runner_uids, **extra)
         self._compound = CompoundOps()
 
     # -- the connection ----------------------------------------------------------------------
@@ -74,6 +77,9 @@ class AttachClient:
 
     def attach(self) -> Attachment:
         return self.connection.attach()
+
+    def retarget(self, socket_path: str) -> None:
+        self.connection.retarget(socket_path)
 
     def try_attach(self, handshake_timeout_s: float = 0.0) -> bool:
         return self.connection.try_attach(handshake_timeout_s)

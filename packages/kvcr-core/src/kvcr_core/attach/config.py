@@ -4,6 +4,9 @@ kvcr-guard builds it from its flags; embedded mode from the engine's settings.
 The pool must be memfd memory (engines map it by descriptor): `memory_backing: anonymous` is
 a ConfigError here, at start, rather than a failure of every attach.
 
+The socket's directory (and each one above it that is not sticky) must be writable by no uid
+but this one and root: otherwise another uid could bind the path first and capture engines.
+
 Access policy: a client connects only with a uid in `allowed_uids`; it opens a namespace of
 tenant T (`NamespaceSpec.tenant`) only if `tenants` does not name T or names its uid; one uid
 holds at most `uid_max_namespaces` namespaces at once. Pre-attach bounds: at most
@@ -20,6 +23,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from kvcr_core.attach.credentials import shared_directory_problem
 from kvcr_core.attach.service import ClientLimits
 from kvcr_core.attach.settings import PeerConfig
 from kvcr_core.config import KVCRConfig, MemoryBacking
@@ -75,6 +79,12 @@ class ServerConfig:
         parent = os.path.dirname(os.path.abspath(self.socket_path))
         if not self.abstract and not os.path.isdir(parent):
             raise ConfigError("socket", self.socket_path, f"create the directory {parent} first")
+        problem = None if self.abstract else shared_directory_problem(parent)
+        if problem is not None:
+            raise ConfigError("socket", self.socket_path,
+                              f"{problem}: another uid could bind this socket first and serve "
+                              "your engines; use a directory only this uid (or root) can write, "
+                              "e.g. mkdir -m 0755 /run/kvcr")
         if self.back_ahead_bytes < 0:
             raise ConfigError("back_ahead", self.back_ahead_bytes,
                               "give a size such as 512MiB (0: off)")

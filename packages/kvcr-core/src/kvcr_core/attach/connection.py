@@ -11,6 +11,11 @@ its own arrives (several requests may be in flight, at most `_MAX_IN_FLIGHT`: th
 answers a connection's frames in order); `submit_nowait` never waits (its reply is read and
 checked during a later call). `round_trips` counts the requests waited for.
 
+Who serves: before it says Hello, the client checks the server's uid (`SO_PEERCRED`) against
+`runner_uids` (its own uid plus those configured): a socket bound by any other uid gets no
+identity, no KV and no trust (`untrusted_runner`, logged). A connect refused for a full
+backlog (EAGAIN, e.g. during a connect flood) is retried within `timeout_s`.
+
 Failure model (fail open): any socket error, timeout or Goodbye raises `RunnerUnavailable`
 and detaches; the caller recomputes. The next call re-attaches, no sooner than an exponential
 backoff (50 ms doubling to 5 s, on the injected `clock`) after the last failure, so a dead
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import logging
 import os
 import socket
 import threading
@@ -34,14 +41,20 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvcr_core.attach import protocol as p
+from kvcr_core.attach.credentials import trusted_runner_uids, untrusted_runner
 from kvcr_core.attach.ops import ClientClosed, RunnerUnavailable
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.logs import ThrottledLog
 from kvcr_core.memory import HostRegion, SlotPool
 from kvcr_core.types import NamespaceDigest, OwnerId
 
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _MAX_IN_FLIGHT = 32
+_CONNECT_RETRY_S = 0.005  # after EAGAIN (the server's backlog is full), doubling
+
+log = logging.getLogger("kvcr_core.attach")
+_warn = ThrottledLog(log, 60.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +69,11 @@ class RunnerConnection:
 
     def __init__(self, socket_path: str, namespaces: Sequence[NamespaceSpec], block_bytes: int,
                  *, identity: str = "", timeout_s: float = 2.0, map_pages: bool = False,
+                 runner_uids: frozenset[int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`map_pages`: this process copies KV into and out of the pools; once attached to a
-        pool its Runner backs, map its pages here in the background as they are backed."""
+        pool its Runner backs, map its pages here in the background as they are backed.
+        `runner_uids`: the uids whose Runner this client accepts (default: its own uid)."""
         if not 1 <= len(namespaces) <= p.MAX_NAMESPACES_PER_CLIENT:
             raise ValueError(f"a client opens 1 to {p.MAX_NAMESPACES_PER_CLIENT} namespaces, "
                              f"not {len(namespaces)}")
@@ -68,6 +83,7 @@ class RunnerConnection:
         self.identity = identity or f"pid-{os.getpid()}"
         self.timeout_s = timeout_s
         self.map_pages = map_pages
+        self.runner_uids = runner_uids if runner_uids is not None else trusted_runner_uids()
         self._clock = clock
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -125,6 +141,18 @@ class RunnerConnection:
             self._sock.settimeout(normal)
             return True
 
+    def retarget(self, socket_path: str) -> None:
+        """Attach to the Runner at `socket_path` from now on (an embedded Runner's socket, as
+        its engine learnt it): detaches from another one; the next call attaches."""
+        with self.lock:
+            if socket_path == self.socket_path:
+                return
+            self.socket_path = socket_path
+            if self._sock is not None:
+                self._fail()
+            self._backoff_s = 0.0
+            self._next_attempt = 0.0
+
     def _ensure_attached(self) -> None:
         if self._closed:
             raise ClientClosed()
@@ -151,7 +179,7 @@ class RunnerConnection:
         fds: list[int] = []
         pools: list[SlotPool] = []
         try:
-            sock.connect(self.socket_path)
+            self._connect_socket(sock)
             hello = p.Hello(p.PROTOCOL_VERSION,
                             [p.NamespaceFields(**dataclasses.asdict(ns)) for ns in self.namespaces],
                             self.block_bytes, self.identity[:256], os.getpid())
@@ -180,6 +208,24 @@ class RunnerConnection:
             OwnerId(message.owner),
             tuple(NamespaceDigest(info.namespace_digest) for info in message.pools), tuple(pools))
         self.attach_count += 1
+
+    def _connect_socket(self, sock: socket.socket) -> None:
+        """Connects (retrying EAGAIN until `timeout_s`) and checks who serves."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = _CONNECT_RETRY_S
+        while True:
+            try:
+                sock.connect(self.socket_path)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        problem = untrusted_runner(sock, self.runner_uids, self.socket_path)
+        if problem is not None:
+            _warn.log(logging.ERROR, self.socket_path, "kvcr: not attaching: %s", problem)
+            raise RunnerUnavailable("untrusted_runner", problem)
 
     @staticmethod
     def _read_frame(sock: socket.socket, *, max_fds: int = 0

@@ -8,7 +8,10 @@ in-process (`service`: the same `RunnerService` the socket's codec calls, withou
 round trip). With `peer.listen` it also serves other nodes, and with `peer.peers` it fetches
 hinted blocks from them (the service's fetch tickets). The default socket is a
 Linux abstract one (no file; only this uid may attach), so nothing is left behind even when
-the engine is killed. With `metrics_listen` the Runner's registry (`kvcr_*`, `kvcr_peer_*`,
+the engine is killed. Its name ends in a random part chosen at start (`socket_path`; the
+engine hands it to its other processes), so no other uid can bind it first, and a name that
+is taken is never a reason not to start: another random part is tried.
+With `metrics_listen` the Runner's registry (`kvcr_*`, `kvcr_peer_*`,
 `kvcr_pull_*`, the process's own series) is served on that port (plus `metrics_offset`, for
 engines that run one Runner per rank); a port that cannot be bound is logged, never fatal.
 """
@@ -19,11 +22,12 @@ import atexit
 import contextlib
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 
 from kvcr_core.attach.admission import AttachRefused
-from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.config import MAX_SOCKET_PATH_BYTES, ServerConfig
 from kvcr_core.attach.ops import RunnerUnavailable
 from kvcr_core.attach.server import AttachServer
 from kvcr_core.attach.service import RunnerService
@@ -33,6 +37,7 @@ from kvcr_core.exposition import process_metrics, serve_metrics
 from kvcr_core.keys import NamespaceSpec
 
 log = logging.getLogger("kvcr_core.attach")
+_BIND_ATTEMPTS = 8
 
 
 class EmbeddedRunner:
@@ -41,12 +46,9 @@ class EmbeddedRunner:
     def __init__(self, settings: EngineSettings, *, runner: KVCRConfig | None = None,
                  metrics_offset: int = 0) -> None:
         """`runner` overrides `settings.runner` (an adapter that sizes the pool itself)."""
-        self.socket_path = settings.socket
         config = runner if runner is not None else settings.runner
-        self.server = AttachServer(ServerConfig(socket_path=settings.socket, runner=config,
-                                                peer=settings.peer, prefault=settings.prefault,
-                                                back_ahead_bytes=settings.back_ahead_bytes))
-        self.server.listen()
+        self.server = self._listen(settings, config)
+        self.socket_path = self.server.config.socket_path
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvcr-embedded",
                                         daemon=True)
         self._thread.start()
@@ -55,7 +57,28 @@ class EmbeddedRunner:
         if settings.metrics_listen is not None:
             self._serve_metrics(*settings.metrics_listen, metrics_offset)
         log.info("kvcr embedded runner serving %s (pool %d bytes)",
-                 settings.socket.replace("\0", "@"), config.pool_bytes)
+                 self.socket_path.replace("\0", "@"), config.pool_bytes)
+
+    @staticmethod
+    def _listen(settings: EngineSettings, config: KVCRConfig) -> AttachServer:
+        """A listening server: on `settings.socket` plus a random part if abstract."""
+        for attempt in range(_BIND_ATTEMPTS):
+            path = settings.socket
+            if path.startswith("\0"):
+                path = f"{path[:MAX_SOCKET_PATH_BYTES - 20]}-{secrets.token_hex(8)}"
+            server = AttachServer(ServerConfig(
+                socket_path=path, runner=config, peer=settings.peer,
+                prefault=settings.prefault, back_ahead_bytes=settings.back_ahead_bytes))
+            try:
+                server.listen()
+                return server
+            except RuntimeError:
+                server.close_unserved()
+                if not path.startswith("\0") or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+                log.warning("kvcr embedded runner: %s is taken (another uid may be squatting "
+                            "kvcr names); trying another name", path.replace("\0", "@"))
+        raise AssertionError("unreachable")
 
     def _serve_metrics(self, host: str, port: int, offset: int) -> None:
         registry = self.server.registry

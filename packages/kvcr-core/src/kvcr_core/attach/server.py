@@ -34,7 +34,6 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 
@@ -43,6 +42,7 @@ from prometheus_client import CollectorRegistry
 from kvcr_core._version import __version__
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.config import ServerConfig
+from kvcr_core.attach.credentials import peer_credentials
 from kvcr_core.attach.host import RunnerHost
 from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientSession, SessionClosed
@@ -52,7 +52,6 @@ from kvcr_core.logs import ThrottledLog, printable
 log = logging.getLogger("kvcr_core.attach")
 
 _RECV_BYTES = 256 * 1024
-_UCRED = struct.Struct("3i")
 _ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pause
 _TICK_S = 1.0  # idle namespaces are looked at this often
 _QUIET = frozenset({CloseReason.EOF, CloseReason.CLIENT_DIED, CloseReason.SHUTDOWN})
@@ -156,6 +155,12 @@ class AttachServer:
         log.info("kvcr %s serving %s (pool %d bytes)", __version__, path,
                  self.config.runner.pool_bytes)
 
+    def close_unserved(self) -> None:
+        """Frees a server whose `listen` failed (it never served)."""
+        self._sel.close()
+        self._wake.close()
+        self.host.close()
+
     def request_shutdown(self) -> None:
         """Thread- and signal-safe; harmless after the loop ended (`WakePipe`)."""
         self._stopping.set()
@@ -234,8 +239,8 @@ class AttachServer:
                            "accepting again in %.2f s", exc, self._accept_pause_s)
             return
         self._accept_pause_s = 0.0
-        pid, uid, _gid = _UCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        creds = peer_credentials(sock)
+        pid, uid = creds.pid, creds.uid
         session = ClientSession(self.host.new_owner(), pid, uid, self.host,
                                 self.config.socket_path)
         conn = _Conn(sock, session, time.monotonic() + self.config.handshake_timeout_s)

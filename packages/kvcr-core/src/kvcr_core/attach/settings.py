@@ -20,6 +20,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from kvcr_core.attach.credentials import trusted_runner_uids
 from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
 from kvcr_core.endpoint import Endpoint
 from kvcr_core.errors import ConfigError, HintRejected
@@ -29,7 +30,7 @@ ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", 
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
                          "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen",
-                         "prefault", "back_ahead"})
+                         "prefault", "back_ahead", "runner_uids"})
 DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
@@ -157,6 +158,14 @@ class EngineSettings:
     """Embedded mode: back the pool as it fills, this far ahead of the slots in use
     (kvcr-guard: --back-ahead): the same for saves and fetches, but the engine holds only
     what is stored plus the margin (0: off)."""
+    runner_uids: frozenset[int] = dataclasses.field(default_factory=frozenset)
+    """Uids besides the engine's own whose Runner it accepts (the uid kvcr-guard runs as,
+    when another): a socket served by any other uid is refused (`untrusted_runner`)."""
+
+    @property
+    def trusted_runner_uids(self) -> frozenset[int]:
+        """The uids whose Runner this engine accepts: its own plus `runner_uids`."""
+        return trusted_runner_uids(self.runner_uids)
 
     @staticmethod
     def fields_from(extra: Mapping[str, Any], *, field: str,
@@ -196,7 +205,16 @@ class EngineSettings:
                 "runner": _runner_config(extra, field),
                 "timeout_s": _seconds(f"{field}.timeout_s", extra.get("timeout_s", 2.0)),
                 "identity": identity, "peer": peer, "metrics_listen": metrics,
-                "prefault": prefault, "back_ahead_bytes": back_ahead}
+                "prefault": prefault, "back_ahead_bytes": back_ahead,
+                "runner_uids": _uids(f"{field}.runner_uids", extra.get("runner_uids", []))}
+
+
+def _uids(field: str, value: object) -> frozenset[int]:
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in value):
+        raise ConfigError(field, value, "give a list of uids, e.g. [0] when kvcr-guard runs "
+                          "as root")
+    return frozenset(value)
 
 
 def _backing(extra: Mapping[str, Any], field: str, mode: Mode) -> tuple[bool, int]:
