@@ -313,7 +313,7 @@ def test_running_out_of_descriptors_pauses_accepting_and_nothing_dies(
     secret = os.path.join(short_tmp, "secret")
     Path(secret).write_bytes(SECRET)
     g = harness.Guard(short_tmp, "--peer-listen", "127.0.0.1:0", "--peer-secret-file", secret,
-                      "--max-pending", "200")
+                      "--max-pending", "200", "--max-pending-per-uid", "200")
     g.wrap = ["prlimit", "--nofile=48:48"]  # a daemon short of descriptors
     g.start()
     endpoint = peer_endpoint(g)

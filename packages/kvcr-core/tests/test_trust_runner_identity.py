@@ -4,46 +4,26 @@ Attackers are real processes of another uid (65534, through setpriv); integratio
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvcr_core.attach import AttachClient, EmbeddedRunner, EngineSettings, RunnerUnavailable
 from kvcr_core.config import KVCRConfig
 from kvcr_core.testing import pattern_block, random_keys
-from kvcr_core.testing.uids import as_other_uid, other_uid_unavailable
+from kvcr_core.testing.uids import other_uid_unavailable
 
-ATTACKER = str(Path(__file__).with_name("trust_attacker.py"))
 sys.path.insert(0, os.path.dirname(__file__))
-from attach_worker import BLOCK, SPEC  # noqa: E402
+from attach_worker import BLOCK, SPEC
+from trust_attacker import Attacker
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(other_uid_unavailable() is not None,
                                  reason=str(other_uid_unavailable()))]
-
-
-class Attacker:
-    """A trust_attacker.py mode running as uid 65534; `finish()` ends it and returns its
-    last report."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = as_other_uid([sys.executable, ATTACKER, *args], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, self.proc.stderr.read().decode() if self.proc.stderr else ""
-        self.ready = json.loads(line)
-
-    def finish(self) -> dict[str, object]:
-        out, err = self.proc.communicate(timeout=30)
-        lines = out.decode().strip().splitlines()
-        return json.loads(lines[-1]) if lines else {"stderr": err.decode()}
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
-"""An attacker process for the trust tests, run as another uid (kvcr_core.testing.as_other_uid;
-one mode per process). It prints one JSON line when ready (and, for modes that report, one
-more with what it saw) and waits on stdin: the test closes it to end a mode that holds.
+"""An attacker for the trust tests, run as another uid by `Attacker(mode, ...)`
+(kvcr_core.testing.as_other_uid; one mode per process). It prints one JSON line when ready
+(and, for modes that report, one more with what it saw) and waits on stdin: the test closes
+it to end a mode that holds.
 
-Modes: `fake-server PATH` (bind PATH, answer every connection by reading what it sends),
-`squat NAME...` (bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a
-Runner with the guard tests' namespace, as the engine would, and try ACTION), `flood SOCKET
-N` (N connections that never say Hello).
+Modes: `fake-server PATH` (bind PATH, read what connecting engines send), `squat NAME...`
+(bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a Runner with the
+guard tests' namespace, as an engine would, then: `read[-tenant T] PROMPT BLOCKS`,
+`overwrite`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`), `flood SOCKET
+N` (keep up to N connections that never say Hello).
 """
 
 from __future__ import annotations
@@ -15,14 +17,35 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 
 from kvcr_core.attach import AttachClient, RunnerError, probe_status
-from kvcr_core.testing import pattern_block
+from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing.uids import as_other_uid
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attach_worker import BLOCK, SPEC, keys_for
+
+
+class Attacker:
+    """A trust_attacker.py mode running as uid 65534; `finish()` ends it and returns its
+    last report."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = as_other_uid([sys.executable, __file__, *args], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, self.proc.stderr.read().decode() if self.proc.stderr else ""
+        self.ready = json.loads(line)
+
+    def finish(self) -> dict[str, object]:
+        out, err = self.proc.communicate(timeout=30)
+        lines = out.decode().strip().splitlines()
+        return json.loads(lines[-1]) if lines else {"stderr": err.decode()}
+
 
 
 def say(**fields: object) -> None:
@@ -72,16 +95,46 @@ def squat(names: list[str]) -> None:
     hold()
 
 
+def attacker(path: str, tenant: str = "") -> AttachClient:
+    return AttachClient(path, dataclasses.replace(SPEC, tenant=tenant), BLOCK,
+                        identity="attacker", runner_uids=frozenset({0}))
+
+
+def fill(path: str, count: int) -> None:
+    """Opens `count` junk namespaces (one client each): how many opened."""
+    opened = []
+    for n in range(count):
+        me = attacker(path, f"junk-{n}")
+        with contextlib.suppress(RunnerError):
+            me.attach()
+            opened.append(me)
+    say(ready=True, opened=len(opened))
+    hold()
+
+
+def hog(path: str, tenant: str) -> None:
+    """Two connections in `tenant`, each reserving every slot it can, never committing."""
+    granted = 0
+    clients = [attacker(path, tenant) for _ in range(2)]
+    for me in clients:
+        granted += me.reserve(random_keys(me.stats().capacity_slots, seed=id(me))).granted
+    say(ready=True, granted=granted, capacity=clients[0].stats().capacity_slots)
+    hold()
+
+
 def client(path: str, action: str, args: list[str]) -> None:
-    spec = dataclasses.replace(SPEC, tenant=args[0]) if action.endswith("-tenant") else SPEC
-    me = AttachClient(path, spec, BLOCK, identity="attacker", runner_uids=frozenset({0}))
+    if action == "fill":
+        return fill(path, int(args[0]))
+    if action == "hog":
+        return hog(path, args[0])
+    me = attacker(path, args[0] if action.endswith("-tenant") else "")
     try:
         me.attach()
     except RunnerError as exc:
         say(ready=True, attached=False, reason=str(exc))
         return
-    keys = keys_for(int(args[-2]), int(args[-1])) if action in ("read", "overwrite") else []
-    if action == "read":  # how many of the victim's blocks this uid reads back exactly
+    keys = keys_for(int(args[-2]), int(args[-1])) if action.startswith("read") else []
+    if action.startswith("read"):  # how many of the victim's blocks this uid reads back exactly
         lease = me.acquire(keys)
         pool = me.pool()
         exact = sum(1 for k, s in zip(keys, lease.slots, strict=True)
@@ -89,11 +142,16 @@ def client(path: str, action: str, args: list[str]) -> None:
         say(ready=True, attached=True, read=exact)
     elif action == "overwrite":  # scribble over every slot of the mapping
         pool = me.pool()
-        for slot in range(pool.slots):
+        for slot in range(pool.capacity_slots):
             pool.view(slot)[:] = b"\xee" * BLOCK
-        say(ready=True, attached=True, overwrote=pool.slots)
+        say(ready=True, attached=True, overwrote=pool.capacity_slots)
     elif action == "status":
         say(ready=True, attached=True, status=probe_status(path, timeout_s=2.0))
+    elif action.startswith("clear"):
+        try:
+            say(ready=True, attached=True, cleared=me.clear())
+        except RunnerError as exc:
+            say(ready=True, attached=True, refused=str(exc))
     else:
         say(ready=True, attached=True)
     hold()
@@ -101,18 +159,48 @@ def client(path: str, action: str, args: list[str]) -> None:
 
 
 def flood(path: str, count: int) -> None:
-    socks = []
-    for _ in range(count):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            sock.connect(path)
-        except OSError:
-            sock.close()
-            continue
-        socks.append(sock)
-    say(ready=True, connected=len(socks))
+    """Keeps the socket flooded until told to stop: connects again and again without ever
+    saying Hello, holding up to `count` connections."""
+    held: list[socket.socket] = []
+    made = [0]
+    stop = threading.Event()
+
+    def connect_forever() -> None:
+        while not stop.is_set():
+            held[:] = [s for s in held if _alive(s)]
+            while len(held) < count and not stop.is_set():
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    break  # the backlog is full: that is the point
+                held.append(sock)
+                made[0] += 1
+
+    worker = threading.Thread(target=connect_forever, daemon=True)
+    worker.start()
+    while made[0] < count // 4:
+        threading.Event().wait(0.01)
+    say(ready=True, connected=made[0])
     hold()
+    stop.set()
+    worker.join()
+    say(connections=made[0])
+
+
+def _alive(sock: socket.socket) -> bool:
+    try:
+        if sock.recv(4096) == b"":
+            sock.close()
+            return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        sock.close()
+        return False
+    return True
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -113,7 +114,8 @@ def test_nixl_between_guards_is_opt_in() -> None:
     """Risk: installing nixl silently exposes every guard's pool to peers' NIXL writes."""
     from kvcr_guard.cli import build_parser, config_from_args
 
-    base = ["--socket", "/tmp/x.sock", "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
+    sock = os.path.join(tempfile.mkdtemp(prefix="kn"), "x.sock")
+    base = ["--socket", sock, "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
             "TEST_NIXL_PEER_SECRET"]
     os.environ["TEST_NIXL_PEER_SECRET"] = "nixl-opt-in-test-secret-0123456789"
     try:

@@ -37,20 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"1/{DEFAULT_NAMESPACE_SHARE} share of the pool, so no namespace can take "
                     "all of it)")
     ap.add_argument("--config", help="a kvcr config file (.json/.yaml); flags win over it")
-    ap.add_argument("--allowed-uid", type=int, action="append", default=None,
-                    help="uid allowed to attach (repeatable; default: this process's uid)")
-    ap.add_argument("--tenant", action="append", default=[], metavar="NAME=UID[,UID...]",
-                    help="only these uids may open namespaces of tenant NAME (the engines' "
-                    "cache_salt / tenant); tenants not named are open to every allowed uid "
-                    "(repeatable)")
-    ap.add_argument("--uid-max-namespaces", type=int, default=16,
-                    help="namespaces one uid may hold at once (default 16)")
-    ap.add_argument("--max-clients", type=int, default=256,
-                    help="attached clients at once (default 256)")
-    ap.add_argument("--max-pending", type=int, default=64,
-                    help="connections that have not attached yet, at once (default 64)")
-    ap.add_argument("--handshake-timeout-s", type=float, default=2.0,
-                    help="a connection must attach within this (default 2)")
+    _access_flags(ap)
     ap.add_argument("--client-held-fraction", type=float, default=ClientLimits.held_fraction,
                     help="share of a namespace's slots one client may hold writing or "
                     f"reading at once (default {ClientLimits.held_fraction})")
@@ -77,6 +64,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=None,
                     help="DEBUG, INFO, WARNING, ERROR (default from config: INFO)")
     return ap
+
+
+def _access_flags(ap: argparse.ArgumentParser) -> None:
+    """Who may attach, which namespaces they share, and what each may hold."""
+    ap.add_argument("--allowed-uid", type=int, action="append", default=None,
+                    help="uid allowed to attach (repeatable; default: this process's uid)")
+    ap.add_argument("--tenant", action="append", default=[], metavar="NAME=UID[,UID...]",
+                    help="share the namespaces of tenant NAME (the engines' tenant) between "
+                    "these uids, and only them; every tenant not named (the empty one too: "
+                    "--tenant =UID,UID shares it) is private to each uid (repeatable)")
+    ap.add_argument("--uid-max-namespaces", type=int, default=16,
+                    help="namespaces one uid may hold at once (default 16)")
+    ap.add_argument("--uid-max-bytes", default=None,
+                    help="pool bytes one uid's private namespaces may take, e.g. 8GiB "
+                    "(default: an equal share for each allowed uid and named tenant)")
+    ap.add_argument("--tenant-max-bytes", default=None,
+                    help="pool bytes one named tenant's namespaces may take (default: the "
+                    "same equal share)")
+    ap.add_argument("--max-pending-per-uid", type=int, default=8,
+                    help="connections of one uid that have not attached yet (default 8)")
+    ap.add_argument("--max-clients", type=int, default=256,
+                    help="attached clients at once (default 256)")
+    ap.add_argument("--max-pending", type=int, default=64,
+                    help="connections that have not attached yet, at once (default 64)")
+    ap.add_argument("--handshake-timeout-s", type=float, default=2.0,
+                    help="a connection must attach within this (default 2)")
 
 
 def _peer_flags(ap: argparse.ArgumentParser) -> None:
@@ -137,12 +150,19 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
         socket_path=args.socket, runner=runner, peer=peer, tenants=_tenants(args.tenant),
         uid_max_namespaces=args.uid_max_namespaces, max_clients=args.max_clients,
         max_pending=args.max_pending, handshake_timeout_s=args.handshake_timeout_s,
+        max_pending_per_uid=args.max_pending_per_uid,
+        uid_max_bytes=_size("--uid-max-bytes", args.uid_max_bytes),
+        tenant_max_bytes=_size("--tenant-max-bytes", args.tenant_max_bytes),
         limits=limits, namespace_idle_s=args.namespace_idle_s or None, prefault=args.prefault,
         back_ahead_bytes=(parse_size_bytes("--back-ahead", args.back_ahead)
                           if args.back_ahead is not None else 0),
         **extra)
     return GuardConfig(server=server, metrics_host=args.metrics_host,
                        metrics_port=args.metrics_port)
+
+
+def _size(flag: str, value: str | None) -> int | None:
+    return None if value is None else parse_size_bytes(flag, value)
 
 
 def _tenants(flags: list[str]) -> dict[str, frozenset[int]]:

@@ -7,9 +7,10 @@ a ConfigError here, at start, rather than a failure of every attach.
 The socket's directory (and each one above it that is not sticky) must be writable by no uid
 but this one and root: otherwise another uid could bind the path first and capture engines.
 
-Access policy: a client connects only with a uid in `allowed_uids`; it opens a namespace of
-tenant T (`NamespaceSpec.tenant`) only if `tenants` does not name T or names its uid; one uid
-holds at most `uid_max_namespaces` namespaces at once. Pre-attach bounds: at most
+Access policy: a client connects only with a uid in `allowed_uids`; a tenant named in
+`tenants` is shared by the uids it names (refused to others), any other tenant is private to
+each uid (kvcr_core.attach.admission); one uid holds at most `uid_max_namespaces` namespaces
+and `uid_max_bytes` of pool at once, a named tenant `tenant_max_bytes`. Pre-attach bounds: at most
 `max_pending` connections that have not said Hello yet (one more closes the one that waited
 longest: an engine says Hello at once, an idle flood cannot keep it out), each for at most
 `handshake_timeout_s`; attached clients are counted apart (`max_clients`), so unattached ones
@@ -30,6 +31,7 @@ from kvcr_core.config import KVCRConfig, MemoryBacking
 from kvcr_core.errors import ConfigError
 
 MAX_SOCKET_PATH_BYTES = 107
+PRIVATE_SCOPE = "@uid:"  # tenant suffix of a uid's private namespaces (attach.admission)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,14 @@ class ServerConfig:
     tenants: Mapping[str, frozenset[int]] = dataclasses.field(default_factory=dict)
     """Tenant name -> the uids that may open its namespaces (tenants not named: any uid)."""
     uid_max_namespaces: int = 16
+    uid_max_bytes: int | None = None
+    """Pool bytes the namespaces private to one uid may take together (None: an equal share
+    of the pool for each allowed uid and named tenant)."""
+    tenant_max_bytes: int | None = None
+    """The same for the namespaces of one named tenant."""
+    max_pending_per_uid: int = 8
+    """Connections of one uid that have not said Hello yet (one more closes that uid's
+    oldest): a uid flooding the socket evicts only its own connections."""
     max_clients: int = 256
     max_pending: int = 64
     handshake_timeout_s: float = 2.0
@@ -99,7 +109,16 @@ class ServerConfig:
                 raise ConfigError("tenants", f"{tenant}={sorted(uids)}",
                                   f"uids {sorted(uids - self.allowed_uids)} may not attach at "
                                   "all: allow them too (--allowed-uid)")
-        for name in ("max_clients", "max_pending", "uid_max_namespaces"):
+        for tenant in self.tenants:
+            if PRIVATE_SCOPE in tenant or "\0" in tenant:
+                raise ConfigError("tenants", tenant, f"a tenant name may not contain "
+                                  f"{PRIVATE_SCOPE!r} (private namespaces use it) or NUL")
+        for name in ("uid_max_bytes", "tenant_max_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 4096:
+                raise ConfigError(name, value, "give a size of at least 4KiB, e.g. 8GiB")
+        for name in ("max_clients", "max_pending", "max_pending_per_uid",
+                     "uid_max_namespaces"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "give a positive count")
         if not 0 < self.handshake_timeout_s <= 60:

@@ -106,6 +106,7 @@ class RefusalReason(enum.Enum):
     PEER_NOT_ALLOWED = "peer_not_allowed"  # the endpoint is not one of its peers
     BUSY = "busy"  # too many of this client's fetches in flight
     UNKNOWN_TICKET = "unknown_ticket"
+    NOT_ALLOWED = "not_allowed"  # a Clear of a namespace other uids share
 
 
 # -- client -> server -------------------------------------------------------------------------

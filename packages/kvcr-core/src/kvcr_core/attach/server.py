@@ -52,6 +52,7 @@ from kvcr_core.logs import ThrottledLog, printable
 log = logging.getLogger("kvcr_core.attach")
 
 _RECV_BYTES = 256 * 1024
+_ACCEPT_BATCH = 64  # connections accepted per turn of the loop
 _ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pause
 _TICK_S = 1.0  # idle namespaces are looked at this often
 _QUIET = frozenset({CloseReason.EOF, CloseReason.CLIENT_DIED, CloseReason.SHUTDOWN})
@@ -224,11 +225,18 @@ class AttachServer:
             self._read(conn)
 
     def _accept(self) -> None:
+        """Accepts what waits (at most a batch per turn): a flood must not fill the backlog
+        that engines connect through."""
+        for _ in range(_ACCEPT_BATCH):
+            if self._listener is None or self._accept_at or not self._accept_one():
+                return
+
+    def _accept_one(self) -> bool:
         assert self._listener is not None
         try:
             sock, _ = self._listener.accept()
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:  # out of descriptors, memory...: pause, never die
             self.metrics.on_accept_error()
             self._accept_pause_s = min(_ACCEPT_PAUSE_S[1],
@@ -237,7 +245,7 @@ class AttachServer:
             self._sel.unregister(self._listener)
             self._warn.log(logging.WARNING, "accept", "kvcr attach server cannot accept (%s); "
                            "accepting again in %.2f s", exc, self._accept_pause_s)
-            return
+            return False
         self._accept_pause_s = 0.0
         creds = peer_credentials(sock)
         pid, uid = creds.pid, creds.uid
@@ -251,13 +259,26 @@ class AttachServer:
         if uid not in self.config.allowed_uids:
             self._refuse(conn, CloseReason.NOT_ALLOWED,
                          f"uid {uid} is not allowed; start kvcr-guard with --allowed-uid {uid}")
-        elif self._pending > self.config.max_pending:  # the oldest waiter goes, not the newest:
-            oldest = min((c for c in self._conns.values() if c.deadline is not None),
-                         key=lambda c: c.deadline or 0.0)  # an engine says Hello at once
-            self._refuse(oldest, CloseReason.TOO_MANY_CLIENTS,
-                         f"{self.config.max_pending} connections wait to attach; the oldest "
-                         "goes")
+        else:
+            self._bound_pending(uid)
         self._publish_counts()
+        return True
+
+    def _bound_pending(self, uid: int) -> None:
+        """Closes the oldest connection waiting to say Hello of `uid` (over its own bound)
+        or of all (over `max_pending`): the oldest waiter goes, not the newest, as an engine
+        says Hello at once; a uid's flood evicts its own connections only."""
+        waiting = [c for c in self._conns.values() if c.deadline is not None]
+        mine = [c for c in waiting if c.session.uid == uid]
+        if len(mine) > self.config.max_pending_per_uid:
+            victims, bound = mine, f"{self.config.max_pending_per_uid} of uid {uid}"
+        elif self._pending > self.config.max_pending:
+            victims, bound = waiting, str(self.config.max_pending)
+        else:
+            return
+        oldest = min(victims, key=lambda c: c.deadline or 0.0)
+        self._refuse(oldest, CloseReason.TOO_MANY_CLIENTS,
+                     f"{bound} connections wait to attach; the oldest goes")
 
     def _read(self, conn: _Conn) -> None:
         try:

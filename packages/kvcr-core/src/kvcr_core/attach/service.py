@@ -112,17 +112,30 @@ class Ready(Generic[T]):
         return self._value
 
 
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """What a client may do in one namespace beyond reading and writing blocks: `may_clear`
+    (false where other uids share it); `siblings`: the owners of this client's uid attached
+    to it, when other uids share it (its uid's clients together hold at most the client
+    limit, so a second connection does not double a uid's share)."""
+
+    may_clear: bool = True
+    siblings: Callable[[], Sequence[OwnerId]] | None = None
+
+
 class RunnerService:
     """`RunnerOps` for `owner` over `stores` (its namespaces, in order) of `runner`."""
 
     def __init__(self, runner: Runner, stores: Sequence[NamespaceStore], owner: OwnerId,
                  peers: PeerAccess, limits: ClientLimits | None = None, *,
+                 grants: Sequence[Grant] | None = None,
                  on_close: Callable[[RunnerService], object] | None = None) -> None:
         self.runner = runner
         self.stores = list(stores)
         self.owner = owner
         self.peers = peers
         self.limits = limits or ClientLimits()
+        self.grants = list(grants) if grants is not None else [Grant()] * len(self.stores)
         self._held = [max(1, int(s.index.capacity_slots * self.limits.held_fraction))
                       for s in self.stores]
         self._budget = RequestBudget.unbounded()
@@ -186,7 +199,7 @@ class RunnerService:
         refused = len(keys) - len(asked)
         if store.index.owner_ops(self.owner) >= self.limits.ops:
             return Reservation(NO_OP, (None,) * len(keys), 0, len(keys))
-        res = store.reserve(asked, self.owner, limit=self._held[ns])
+        res = store.reserve(asked, self.owner, limit=self._limit(ns, store))
         if not refused:
             return res
         return Reservation(res.op, res.slots + (None,) * refused, res.granted,
@@ -224,7 +237,8 @@ class RunnerService:
         refused = len(keys) - len(asked)
         if store.index.owner_ops(self.owner) >= self.limits.ops:
             return Lease(NO_OP, (None,) * len(keys), 0)
-        lease = store.acquire(asked, self.owner, prefix_only=prefix_only, limit=self._held[ns])
+        lease = store.acquire(asked, self.owner, prefix_only=prefix_only,
+                              limit=self._limit(ns, store))
         sums = tuple(store.checksums.of(s) for s in lease.slots if s is not None) \
             if checksums else ()
         return Lease(lease.op, lease.slots + (None,) * refused, lease.granted, sums)
@@ -247,8 +261,22 @@ class RunnerService:
     def release_nowait(self, op: OpId, ns: int = 0) -> None:
         self.release(op, ns)
 
+    def _limit(self, ns: int, store: NamespaceStore) -> int:
+        """The slots this client may hold in `ns`: its share, less what its uid's other
+        clients hold there where other uids share the namespace."""
+        siblings = self.grants[ns].siblings
+        if siblings is None:
+            return self._held[ns]
+        others = sum(store.index.held(o) for o in siblings() if o != self.owner)
+        return max(0, self._held[ns] - others)
+
     def clear(self, ns: int = 0) -> int:
-        return self._store(ns).clear()
+        store = self._store(ns)
+        if not self.grants[ns].may_clear:
+            raise RunnerRefused(RefusalReason.NOT_ALLOWED,
+                                f"namespace {store.digest.hex()} is shared with other uids "
+                                "(kvcr-guard --tenant): only its Runner's uid may clear it")
+        return store.clear()
 
     def stats(self, ns: int = 0) -> p.PoolStats:
         idx = self._store(ns).index

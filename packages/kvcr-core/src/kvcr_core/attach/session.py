@@ -73,7 +73,8 @@ class ClientSession:
         if isinstance(message, p.Probe):
             if self._state is not _State.NEW:
                 raise SessionClosed(CloseReason.OUT_OF_ORDER, "Probe after Hello")
-            return p.encode_frame(p.StatusReport(self._host.status(self._socket_path))), [], True
+            report = self._host.status(self._socket_path, self.uid)
+            return p.encode_frame(p.StatusReport(report)), [], True
         if isinstance(message, p.Hello):
             return self._hello(message)
         return p.encode_frame(self._request(message)), [], False

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvcr_core._version import __version__
@@ -22,8 +22,10 @@ from kvcr_core.runner import Runner
 
 def status_report(runner: Runner, *, socket_path: str, started_s: float,
                   attached: Iterable[tuple[Iterable[bytes], str]],
-                  peer_endpoint: str | None) -> str:
-    """`attached`: (namespace digests, identity) of each attached client."""
+                  peer_endpoint: str | None,
+                  shown: Collection[bytes] | None = None) -> str:
+    """`attached`: (namespace digests, identity) of each attached client; `shown`: the only
+    namespaces to show (None: all)."""
     clients: dict[bytes, int] = {}
     identities: list[str] = []
     for digests, identity in attached:
@@ -32,6 +34,8 @@ def status_report(runner: Runner, *, socket_path: str, started_s: float,
         identities.append(printable(identity))
     namespaces: list[dict[str, Any]] = []
     for digest in runner.namespaces:
+        if shown is not None and digest not in shown:
+            continue
         store = runner.namespace(digest)
         idx, pool = store.index, store.pool
         namespaces.append({

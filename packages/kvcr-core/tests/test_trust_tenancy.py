@@ -1,0 +1,156 @@
+"""Trust boundary, daemon side: tenants are isolated by default, no uid captures the pool, a
+connect flood by a foreign uid does not keep engines out, the status shows a uid only its
+own. Attackers are real processes of another uid (65534, through setpriv) against a real
+kvcr-guard; the victim is an engine of the daemon's uid. Integration layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvcr_core.attach import AttachClient
+from kvcr_core.testing import pattern_block
+from kvcr_core.testing.uids import OTHER_UID, other_uid_unavailable
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attach_worker import BLOCK, SPEC, keys_for
+from trust_attacker import Attacker
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(other_uid_unavailable() is not None,
+                                 reason=str(other_uid_unavailable()))]
+
+
+@pytest.fixture
+def shared_guard(short_tmp: str, harness) -> Iterator[object]:
+    """kvcr-guard (this uid) that uid 65534 may attach to, with no tenant configured."""
+    yield _guard(short_tmp, harness)
+
+
+def _guard(short_tmp: str, harness, *flags: str) -> object:
+    os.chmod(short_tmp, 0o755)
+    g = harness.Guard(short_tmp, "--allowed-uid", str(os.getuid()), "--allowed-uid",
+                      str(OTHER_UID), *flags).start()
+    os.chmod(g.socket, 0o666)  # the kernel lets 65534 connect; the daemon decides
+    return g
+
+
+def _victim(path: str, tenant: str = "", prompt: int = 1) -> tuple[AttachClient, list[bytes]]:
+    client = AttachClient(path, dataclasses.replace(SPEC, tenant=tenant), BLOCK,
+                          identity="victim-engine")
+    keys = keys_for(prompt, 8)
+    assert client.store(keys, [pattern_block(k, BLOCK) for k in keys]) == 8
+    return client, keys
+
+
+def _exact(client: AttachClient, keys: list[bytes]) -> int:
+    lease = client.acquire(keys)
+    pool = client.pool()
+    exact = sum(1 for k, s in zip(keys, lease.slots, strict=True)
+                if s is not None and bytes(pool.view(s)) == pattern_block(k, BLOCK))
+    client.release(lease.op)
+    return exact
+
+
+def test_without_tenants_another_uid_can_neither_read_nor_write_an_engines_kv(
+        shared_guard) -> None:
+    """Risk: with no --tenant, another uid opens the victim's namespace, maps it read-write,
+    reads its prompt's KV and overwrites it; the victim loads the overwritten blocks."""
+    victim, keys = _victim(shared_guard.socket)
+    reader = Attacker("client", shared_guard.socket, "read", "1", "8")
+    assert reader.ready == {"ready": True, "attached": True, "read": 0}
+    reader.finish()
+    scribbler = Attacker("client", shared_guard.socket, "overwrite", "1", "8")
+    assert scribbler.ready["attached"] is True
+    scribbler.finish()
+    assert _exact(victim, keys) == 8  # it scribbled over its own namespace only
+    victim.close()
+
+
+def test_a_named_tenant_is_shared_with_its_uids_and_only_they_clear_nothing(
+        short_tmp: str, harness) -> None:
+    """Risk: sharing between uids is all or nothing (or the empty tenant is shared by
+    accident), and any member of a shared namespace clears it for everyone."""
+    g = _guard(short_tmp, harness, "--tenant", f"team=0,{OTHER_UID}")
+    victim, _ = _victim(g.socket, tenant="team")
+    member = Attacker("client", g.socket, "read-tenant", "team", "1", "8")
+    assert member.ready["read"] == 8  # opted in: the tenant's uids share its KV
+    member.finish()
+    clear = Attacker("client", g.socket, "clear-tenant", "team")
+    assert "not_allowed" in str(clear.ready["refused"])
+    clear.finish()
+    assert victim.lookup(keys_for(1, 8)) == 8
+    own = Attacker("client", g.socket, "clear")  # its private namespace: its own to clear
+    assert own.ready["cleared"] == 0
+    own.finish()
+    victim.close()
+
+
+def test_one_uid_cannot_take_the_pool_from_another(shared_guard) -> None:
+    """Risk: Hellos for junk namespaces take every byte of the pool ("no pool room") and the
+    victim's engine cannot store anything, even after the attacker left."""
+    junk = Attacker("client", shared_guard.socket, "fill", "8")
+    assert 1 <= junk.ready["opened"] < 4  # its share (half of the pool), not all of it
+    victim, keys = _victim(shared_guard.socket)
+    assert _exact(victim, keys) == 8
+    junk.finish()
+    victim.close()
+
+
+def test_a_uids_connections_together_hold_at_most_one_share_of_a_shared_tenant(
+        short_tmp: str, harness) -> None:
+    """Risk: in a shared tenant, two connections of one uid reserve half of the slots each
+    and never commit: the other uids store nothing."""
+    g = _guard(short_tmp, harness, "--tenant", f"team=0,{OTHER_UID}")
+    hog = Attacker("client", g.socket, "hog", "team")
+    assert hog.ready["granted"] <= hog.ready["capacity"] // 2
+    victim, keys = _victim(g.socket, tenant="team")
+    assert victim.lookup(keys) == 8
+    hog.finish()
+    victim.close()
+
+
+def test_the_status_shows_a_uid_only_its_own_namespaces_and_clients(shared_guard) -> None:
+    """Risk: the status probe tells any uid which engines (identities) run on the node and
+    which namespaces they use."""
+    victim, _ = _victim(shared_guard.socket)
+    spy = Attacker("client", shared_guard.socket, "status")
+    status = spy.ready["status"]
+    spy.finish()
+    assert "victim-engine" not in status["identities"]
+    assert status["identities"] == ["attacker"]
+    assert len(status["namespaces"]) == 1  # its own private one
+    assert SPEC.digest().hex() not in {n["namespace"] for n in status["namespaces"]}
+    victim.close()
+
+
+def test_a_connect_flood_by_a_foreign_uid_does_not_keep_engines_out(guard) -> None:
+    """Risk: a uid that may not even attach floods the socket with connections; the backlog
+    fills and legitimate workers' attaches fail with EAGAIN."""
+    os.chmod(guard.dir, 0o755)
+    os.chmod(guard.socket, 0o666)
+    flood = Attacker("flood", guard.socket, "400")
+    assert flood.ready["connected"] > 100
+    results: list[bool] = []
+
+    def attach(n: int) -> None:
+        client = AttachClient(guard.socket, SPEC, BLOCK, identity=f"worker-{n}")
+        keys = keys_for(100 + n, 1)
+        try:
+            results.append(client.store(keys, [pattern_block(keys[0], BLOCK)]) == 1)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=attach, args=(n,)) for n in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    flood.finish()
+    assert results == [True] * 20
