@@ -1,7 +1,11 @@
 """The copy-engine seam: how KV bytes move between an engine's KV tensors and the mapped pool.
 
 Owns the plan (runs of consecutive blocks and slots: one strided copy per run and plane, as
-`block_pairs` lays them out) and the engines that carry it out, behind one small interface:
+`block_pairs` lays them out; each pair also names the call it came from, so an engine may
+batch whole calls instead: `batch_copies` turns complete calls that share planes, pool rows
+and direction into one `Gather` of all their blocks in slot order, which the CUDA engine
+carries out as one gather on the device and a few large DMAs) and the engines that carry it
+out, behind one small interface:
 
 - `CpuCopyEngine`: `Tensor.copy_` inline, finished when `copy` returns. On CPU a copy thread
   was measured 5-100x slower (starved by the engine's OpenMP threads), so copies stay inline.
@@ -29,8 +33,10 @@ may be shared by threads (CUDA streams are); `PoolBinding` is thread-safe.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvcr_core.memory import HostRegion, SlotPool
@@ -133,6 +139,25 @@ def runs(block_ids: Sequence[int], slots: Sequence[int]) -> Iterator[tuple[int, 
         i = j
 
 
+class BlockCopy:
+    """One `block_pairs` call: what its pairs copy, as one batch (pairs refer to it; it does
+    not refer to them, so no cycle keeps a pool view alive)."""
+
+    __slots__ = ("block_ids", "count", "into_pool", "planes", "rows", "slots")
+
+    def __init__(self, planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence[int],
+                 slots: Sequence[int], into_pool: bool) -> None:
+        self.planes, self.rows, self.into_pool = list(planes), rows, into_pool
+        self.block_ids, self.slots = list(block_ids), list(slots)
+        self.count = 0
+
+
+class RunPair(tuple["torch.Tensor", "torch.Tensor"]):
+    """A (destination, source) pair of `block_pairs`; `batch` is the call it belongs to."""
+
+    batch: BlockCopy
+
+
 def block_pairs(planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence[int],
                 slots: Sequence[int], *, into_pool: bool) -> list[Pair]:
     """One (destination, source) pair per run and plane: the run's pages of the plane and
@@ -143,12 +168,106 @@ def block_pairs(planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence
         raise ValueError(f"block ids {list(block_ids)} outside the KV cache's {num_blocks}")
     if any(not 0 <= s < rows.shape[0] for s in slots):
         raise ValueError(f"slots {list(slots)} outside the pool's {rows.shape[0]}")
+    batch = BlockCopy(planes, rows, block_ids, slots, into_pool)
     pairs: list[Pair] = []
     for block, slot, n in runs(block_ids, slots):
         for plane, offset, page in planes:
             kv, pool = plane[block:block + n], rows[slot:slot + n, offset:offset + page]
-            pairs.append((pool, kv) if into_pool else (kv, pool))
+            pair = RunPair((pool, kv) if into_pool else (kv, pool))
+            pair.batch = batch
+            pairs.append(pair)
+    batch.count = len(pairs)
     return pairs
+
+
+@dataclass
+class Gather:
+    """The blocks of complete `block_pairs` calls that share planes (back to back in a slot
+    from `offset`, `span` bytes together), pool rows and direction, in slot order; `pairs`
+    are the same copies run by run."""
+
+    planes: list[Plane]
+    rows: torch.Tensor
+    into_pool: bool
+    block_ids: list[int]
+    slots: list[int]
+    offset: int
+    span: int
+    pairs: list[Pair]
+
+    def slot_runs(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(index, first slot, length) of runs of consecutive slots in [start, stop)."""
+        i = start
+        while i < stop:
+            j = i + 1
+            while j < stop and self.slots[j] == self.slots[j - 1] + 1:
+                j += 1
+            yield i, self.slots[i], j - i
+            i = j
+
+
+def _span(planes: Sequence[Plane]) -> tuple[int, int] | None:
+    """(first offset, bytes) if the planes lie back to back in a slot, else None."""
+    ordered = sorted((offset, page) for _, offset, page in planes)
+    if not ordered or any(o + p != nxt for (o, p), (nxt, _) in itertools.pairwise(ordered)):
+        return None
+    return ordered[0][0], ordered[-1][0] + ordered[-1][1] - ordered[0][0]
+
+
+def _key(batch: BlockCopy) -> tuple[object, ...]:
+    r = batch.rows
+    return (batch.into_pool, r.data_ptr(), tuple(r.shape), tuple(r.stride()),
+            tuple((p.data_ptr(), tuple(p.shape), tuple(p.stride()), o, n)
+                  for p, o, n in batch.planes))
+
+
+def batch_copies(pairs: Sequence[Pair]) -> list[Gather | Pair]:
+    """`pairs` as gathers where whole `block_pairs` calls are there (merged when they share
+    planes, rows and direction) and their blocks and slots are distinct; every other pair
+    as it is. In order of first appearance."""
+    seen: dict[int, list[Pair]] = {}
+    for pair in pairs:
+        batch = getattr(pair, "batch", None)
+        if batch is not None:
+            seen.setdefault(id(batch), []).append(pair)
+    items: list[Gather | Pair] = []
+    merged: dict[tuple[object, ...], Gather] = {}
+    done: set[int] = set()
+    for pair in pairs:
+        call: BlockCopy | None = getattr(pair, "batch", None)
+        mine = seen.get(id(call), [])
+        span = _span(call.planes) if call is not None else None
+        if call is None or span is None or len({id(p) for p in mine}) != call.count:
+            items.append(pair)
+            continue
+        if id(call) in done:
+            continue
+        done.add(id(call))
+        key = _key(call)
+        if key in merged:
+            merged[key].block_ids += call.block_ids
+            merged[key].slots += call.slots
+            merged[key].pairs += mine
+            continue
+        merged[key] = Gather(sorted(call.planes, key=lambda p: p[1]), call.rows,
+                             call.into_pool, list(call.block_ids), list(call.slots),
+                             span[0], span[1], list(mine))
+        items.append(merged[key])
+    return [x for item in items for x in _ordered(item)]
+
+
+def _ordered(item: Gather | Pair) -> list[Gather | Pair]:
+    """A gather in slot order; its pairs instead if a block or slot repeats (then order
+    matters, and the runs keep it)."""
+    if not isinstance(item, Gather):
+        return [item]
+    if len(set(item.slots)) != len(item.slots) or len(set(item.block_ids)) != len(
+            item.block_ids):
+        return list(item.pairs)
+    order = sorted(range(len(item.slots)), key=item.slots.__getitem__)
+    item.slots = [item.slots[i] for i in order]
+    item.block_ids = [item.block_ids[i] for i in order]
+    return [item]
 
 
 class Attachable(Protocol):
