@@ -5,6 +5,7 @@ spends its time on that instead of on measurements."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,13 +23,18 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_runs_its_tests_and_bench_and_says_there_is_no_gpu(tmp_path: Path) -> None:
     """Without CUDA: every test the script names runs (the CUDA ones skip with their reason),
-    the bench refuses with a clear message, and the script exits 3."""
+    the bench refuses with a clear message, the script exits 3, and its one JSON file says
+    all of that."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: run scripts/gpu_check.sh itself")
     env = {**os.environ, "PYTHON": sys.executable}
     out = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600, check=False)
-    log = (tmp_path / "pytest.log").read_text()
     assert out.returncode == 3, out.stdout + out.stderr
-    assert " passed" in log and " failed" not in log and "needs a CUDA device" in log
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-check.json"]
+    result = json.loads((tmp_path / "gpu-check.json").read_text())
+    tests = result["tests"]
+    assert tests["passed"] > 0 and tests["failure"] == tests["error"] == 0
+    assert "needs a CUDA device" in tests["log_tail"]
+    assert result["bench_exit"] == 2 and result["bench"] is None
     assert "no CUDA device" in out.stderr

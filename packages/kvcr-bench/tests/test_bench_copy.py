@@ -1,7 +1,9 @@
 """`kvcr bench copy`, the copy engine's benchmark. Risks: the CLI does not reach it or drops
-`--device`; the CPU run (what CI can run) breaks or stops checking the bytes it moved; asked
-for CUDA where there is none it crashes or measures the CPU instead of saying so; it needs
-more than torch and kvcr (scripts/gpu_check.sh runs it where no engine is installed)."""
+`--device`; the CPU run (what CI can run) breaks or stops checking the bytes it moved, or
+drops a layout or run length; the block-id pattern is not the one it claims (runs of the
+given length, slots with gaps); asked for CUDA where there is none it crashes or measures
+the CPU instead of saying so; it needs more than torch and kvcr (scripts/gpu_check.sh runs
+it where no engine is installed)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import tomllib
 
 torch = pytest.importorskip("torch", reason="the copy engines move torch tensors")
 
+from kvcr_bench.copy_patterns import pattern  # noqa: E402
 from kvcr_core.cli import main as cli  # noqa: E402
+from kvcr_core.copyengine import runs  # noqa: E402
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -34,16 +38,35 @@ def copy_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_bench_copy_on_cpu_reports_every_row_and_checks_its_bytes(
         copy_entry_point: None, capsys: pytest.CaptureFixture[str]) -> None:
-    """`kvcr bench copy --device cpu --quick --json`: 256 KiB, 1 MiB and 2 MiB blocks, whole
-    and paged, both directions, each row's bytes checked; no CUDA targets on CPU."""
+    """`kvcr bench copy --device cpu --quick --json`: 256 KiB blocks in runs of 1, 4, 16 and
+    64, whole, paged and layer by layer, both directions, each row's bytes checked; the CPU
+    engine copies run by run; no CUDA targets and no registration timing on CPU."""
     assert cli.main(["bench", "copy", "--device", "cpu", "--quick", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"] == "cpu" and result["engine"] == "CpuCopyEngine"
-    rows = {(r["block_bytes"], r["layout"]) for r in result["rows"]}
-    assert rows == {(b << 10, layout) for b in (256, 1024, 2048) for layout in ("whole", "paged")}
+    rows = {(r["block_bytes"], r["layout"], r["run_blocks"]) for r in result["rows"]}
+    assert rows == {(256 << 10, layout, run) for layout in ("whole", "paged", "layerwise")
+                    for run in (1, 4, 16, 64)}
     assert all(r["checked"] and r["save_ratio"] > 0 and r["load_ratio"] > 0
+               and r["auto_chose"] == {"save": ["runs"], "load": ["runs"]}
                for r in result["rows"])
+    paged = {r["run_blocks"]: r["copies_run_by_run"] for r in result["rows"]
+             if r["layout"] == "paged"}
+    assert paged == {1: 512, 4: 128, 16: 32, 64: 8}  # 64 blocks of 8 pages
     assert result["summary"]["all_checked"] and result["meets_targets"] == {}
+    assert result["registration"] is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("run", [1, 4, 16, 64])
+def test_the_block_pattern_has_runs_of_the_given_length_and_slots_with_gaps(run: int) -> None:
+    """Block ids and slots both come in runs of exactly `run` (so a run-by-run engine makes
+    n / run copies per plane), every slot is distinct, and sorted slots still break every
+    `run` (a gather cannot turn them into one copy the engine would not get)."""
+    blocks, slots = pattern(64, run, seed=run)
+    assert len(set(slots)) == 64 and [n for _, _, n in runs(blocks, slots)] == [run] * (64 // run)
+    ordered = sorted(slots)
+    assert [n for _, _, n in runs(ordered, ordered)] == [run] * (64 // run)
 
 
 @pytest.mark.unit

@@ -1,113 +1,74 @@
 """`kvcr bench copy [--device auto|cpu|cuda]`: kvcr's copy engine between the pool and KV
-tensors on a device, against one copy of the same bytes in the same run, both directions
-(save: KV -> pool, load: pool -> KV), for 256 KiB, 1 MiB and 2 MiB blocks.
+tensors on a device, as an engine hands blocks over, against one copy of the same bytes in
+the same run, both directions (save: KV -> pool, load: pool -> KV).
 
-- kvcr: `block_pairs` + `CopyEngine.copy` + `record().wait()`, exactly what the vLLM worker
-  runs (with `--device cuda`: the pool mapping pinned with cudaHostRegister, copies on the
-  engine's stream, strided runs through cudaMemcpy2DAsync when found). Blocks come in runs of
-  16 consecutive block ids into consecutive slots, in two layouts: `whole` (a block is one
-  page) and `paged` (a block is 32 KiB pages of separate planes, as vLLM's K and V per layer).
-- baseline: one `copy_` of all those bytes between a contiguous device tensor and a pinned
+- Rows (kvcr_bench.copy_patterns): 256 KiB and 2 MiB blocks; block ids in runs of 1, 4, 16
+  and 64 (scattered slots likewise); layouts `whole` (a block is one page), `paged` (32 KiB
+  pages of per-layer planes, one call) and `layerwise` (one call per layer). On CUDA each of
+  the engine's strategies (`runs`, `gather`, `direct`) is timed forced, and `auto`, the
+  engine's own choice, is kvcr's number; on CPU the engine copies run by run.
+- Baseline: one `copy_` of all those bytes between a contiguous device tensor and a pinned
   host tensor (`--device cuda`: one cudaMemcpyAsync from torch's own pinned allocator), or
   between two host tensors (`--device cpu`: one memcpy; torch on one thread for both, as
-  `kvcr bench pool` measures one core: idle OpenMP threads on a busy machine dominate).
+  `kvcr bench pool` measures one core).
+- Registration (CUDA; kvcr_bench.pin_timing): cudaHostRegister seconds per GiB of a fresh and
+  of a prefaulted pool, whole and in 1 GiB chunks, and the longest single call.
 Ratios are baseline time / kvcr time (1.0 = as fast as one pinned copy). Targets (CUDA): at
-least 0.9 both ways. Needs torch only (and kvcr-core): `python -m kvcr_bench.device_copy`
-runs it where kvcr's entry points are not installed (scripts/gpu_check.sh).
+least 0.9 both ways for every row; a registration call under 0.1 s (prefaulted, chunked).
+Needs torch only (and kvcr-core): `python -m kvcr_bench.device_copy` runs it where kvcr's
+entry points are not installed (scripts/gpu_check.sh, with `--json-out`).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvcr_bench.copies import KIB, MIB, meets
-from kvcr_core.copyengine import CopyEngine, block_pairs, engine_for
+from kvcr_bench.copy_patterns import Row, measure_row, pool_rows
+from kvcr_bench.pin_timing import registration
+from kvcr_core.copyengine import CopyEngine, engine_for
+from kvcr_core.cudacopy import CudaCopyEngine
 from kvcr_core.memory import SlotPool
-from kvcr_core.types import SlotId
 
-BLOCK_SIZES = (256 * KIB, MIB, 2 * MIB)
-PAGE_BYTES = 32 * KIB
-RUN_BLOCKS = 16
-TARGETS = {"min_save_ratio": (">=", 0.9), "min_load_ratio": (">=", 0.9)}
-
-
-def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
+BLOCK_SIZES = (256 * KIB, 2 * MIB)
+RUNS = (1, 4, 16, 64)
+LAYOUTS = ("whole", "paged", "layerwise")
+CUDA_STRATEGIES = ("runs", "gather", "direct", "auto")
+TARGETS = {"min_save_ratio": (">=", 0.9), "min_load_ratio": (">=", 0.9),
+           "longest_prefaulted_chunk_register_s": ("<=", 0.1)}
 
 
-def _kvcr(engine: CopyEngine, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    engine.copy(pairs)
-    engine.record().wait()
-
-
-def _measure(engine: CopyEngine, runs: dict[str, Callable[[], object]],
-             sync: Callable[[], None], reps: int) -> dict[str, float]:
-    """Median seconds of each run, interleaved so kvcr and its baseline see the same machine
-    state, after one untimed round (first touches, lazy CUDA set-up)."""
-    for fn in runs.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(reps):
-        for name, fn in runs.items():
-            times[name].append(_timed(fn, sync))
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _row(engine: CopyEngine, device: torch.device, block_bytes: int, page_bytes: int,
-         total_bytes: int, reps: int) -> dict[str, Any]:
-    n = total_bytes // block_bytes
-    pool = SlotPool.create(n, block_bytes)
+def _rows_for(engine: CopyEngine, device: torch.device, block_bytes: int, total: int,
+              reps: int, strategies: list[str]) -> list[dict[str, Any]]:
+    """Every layout and run length of one block size, on one pinned pool of twice the
+    blocks (slots have gaps), against the same baseline copies."""
+    n = total // block_bytes
+    pool = SlotPool.create(2 * n, block_bytes)
     pool.region.prefault()
-    med, checked = _on_pool(engine, pool, device, page_bytes, reps)
-    pool.close()  # every view of it went with _on_pool
-    gb = n * block_bytes / 1e9
-    return {"block_bytes": block_bytes, "layout": "whole" if page_bytes == block_bytes
-            else "paged", "page_bytes": page_bytes, "blocks": n, "checked": checked,
-            "save_gbps": gb / med["save"], "save_baseline_gbps": gb / med["save_base"],
-            "save_ratio": med["save_base"] / med["save"],
-            "load_gbps": gb / med["load"], "load_baseline_gbps": gb / med["load_base"],
-            "load_ratio": med["load_base"] / med["load"]}
-
-
-def _on_pool(engine: CopyEngine, pool: SlotPool, device: torch.device, page_bytes: int,
-             reps: int) -> tuple[dict[str, float], bool]:
-    """Median seconds of each run on `pool` (all its slots), and whether a saved block's
-    slot holds its pages."""
-    n, block_bytes = pool.capacity_slots, pool.slot_bytes
-    flat = engine.pin_pool(pool.region)
-    rows = flat[:n * pool.stride_bytes].view(n, pool.stride_bytes)
-    block_ids = [b + b // RUN_BLOCKS for b in range(n)]  # runs of 16, one block apart
-    gen = torch.Generator(device=device).manual_seed(block_bytes)
-    planes = [(torch.randint(0, 256, (block_ids[-1] + 1, page_bytes), generator=gen,
-                             dtype=torch.uint8, device=device), i * page_bytes, page_bytes)
-              for i in range(block_bytes // page_bytes)]
-    save = block_pairs(planes, rows, block_ids, range(n), into_pool=True)
-    load = block_pairs(planes, rows, block_ids, range(n), into_pool=False)
+    flat, rows = pool_rows(engine, pool)
     cuda = device.type == "cuda"
     host = torch.empty(n * block_bytes, dtype=torch.uint8, pin_memory=cuda)
     dev = torch.empty(n * block_bytes, dtype=torch.uint8, device=device)
-    med = _measure(engine, {
-        "save": lambda: _kvcr(engine, save),
-        "save_base": lambda: host.copy_(dev, non_blocking=cuda),
-        "load": lambda: _kvcr(engine, load),
-        "load_base": lambda: dev.copy_(host, non_blocking=cuda),
-    }, torch.cuda.synchronize if cuda else (lambda: None), reps)
-    _kvcr(engine, save)
-    last = b"".join(p[block_ids[-1]].cpu().numpy().tobytes() for p, _, _ in planes)
-    checked = bytes(pool.view(SlotId(n - 1))) == last
+    baseline = {"save_base": lambda: host.copy_(dev, non_blocking=cuda),
+                "load_base": lambda: dev.copy_(host, non_blocking=cuda)}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = []
+    for layout in LAYOUTS:
+        for run in RUNS:
+            row = Row(engine, rows, device, block_bytes, layout, run, n)
+            out.append({"block_bytes": block_bytes, "run_blocks": run,
+                        **measure_row(row, strategies, baseline, sync, reps,
+                                      n * block_bytes)})
+            del row
     engine.unpin_pool(flat)
-    return med, checked
+    del flat, rows
+    pool.close()
+    return out
 
 
 def _device(name: str) -> torch.device | None:
@@ -121,31 +82,65 @@ def _device(name: str) -> torch.device | None:
     return torch.device(name)
 
 
-def run_copy_bench(*, quick: bool, as_json: bool, device: str = "auto") -> int:
+def _summary(rows: list[dict[str, Any]], pins: dict[str, Any] | None) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "min_save_ratio": min(r["save_ratio"] for r in rows),
+        "min_load_ratio": min(r["load_ratio"] for r in rows),
+        "all_checked": all(r["checked"] for r in rows),
+        "auto_shortfall": max(max(r["strategies"][r["best_save"]]["save_ratio"]
+                                  - r["save_ratio"],
+                                  r["strategies"][r["best_load"]]["load_ratio"]
+                                  - r["load_ratio"]) for r in rows)}
+    for layout in LAYOUTS:
+        mine = [r for r in rows if r["layout"] == layout]
+        summary[f"min_ratio_{layout}"] = min(min(r["save_ratio"], r["load_ratio"])
+                                             for r in mine)
+    if pins is not None:
+        chunked = pins["prefaulted_1gib_chunks"]["longest_call_s"]
+        summary["longest_prefaulted_chunk_register_s"] = chunked
+        summary["fresh_register_s_per_gib"] = pins["fresh_whole"]["register_s_per_gib"]
+        summary["prefaulted_register_s_per_gib"] = pins["prefaulted_whole"][
+            "register_s_per_gib"]
+    return summary
+
+
+def run_copy_bench(*, quick: bool, as_json: bool, device: str = "auto",
+                   strategies: list[str] | None = None, json_out: str | None = None,
+                   register_gib: int | None = None) -> int:
     dev = _device(device)
     if dev is None:
         return 2
-    total = (8 if quick else 256) * MIB
+    total = (16 if quick else 256) * MIB
     reps = 2 if quick else 7
     engine = engine_for(dev)
-    if dev.type == "cpu":
+    cuda = isinstance(engine, CudaCopyEngine)
+    if not cuda:
         torch.set_num_threads(1)
-    rows = [_row(engine, dev, block, page, total, reps) for block in BLOCK_SIZES
-            for page in (block, PAGE_BYTES)]
-    summary = {"min_save_ratio": min(r["save_ratio"] for r in rows),
-               "min_load_ratio": min(r["load_ratio"] for r in rows),
-               "all_checked": all(r["checked"] for r in rows)}
+    chosen = (strategies or list(CUDA_STRATEGIES)) if cuda else ["runs"]
+    if chosen[-1] != "auto" and cuda:
+        chosen.append("auto")
+    sizes = BLOCK_SIZES[:1] if quick else BLOCK_SIZES
+    rows = [r for block in sizes for r in _rows_for(engine, dev, block, total, reps, chosen)]
+    gib = register_gib if register_gib is not None else (0 if quick or not cuda else 2)
+    pins = (registration(engine.runtime, gib)
+            if isinstance(engine, CudaCopyEngine) and gib > 0 else None)
+    summary = _summary(rows, pins)
     result: dict[str, Any] = {
         "bench": "copy", "device": str(dev), "engine": type(engine).__name__, "quick": quick,
-        "torch": torch.__version__, "bytes_per_row": total, "reps": reps,
-        "memcpy2d": getattr(engine, "memcpy2d", None) is not None,
-        "pin_failures": engine.pin_failures, "rows": rows, "summary": summary}
-    targets = TARGETS if dev.type == "cuda" else {}
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(dev) if cuda else None,
+        "bytes_per_row": total, "reps": reps, "strategies": chosen,
+        "memcpy2d": getattr(engine, "memcpy2d", False), "pin_failures": engine.pin_failures,
+        "cuda_failures": engine.cuda_failures if isinstance(engine, CudaCopyEngine) else 0,
+        "rows": rows,
+        "registration": pins, "summary": summary}
+    targets = {k: v for k, v in TARGETS.items() if summary.get(k) is not None} if cuda else {}
     result["targets"] = {k: f"{op} {v:g}" for k, (op, v) in targets.items()}
     result["meets_targets"] = {k: meets(targets, k, summary[k]) for k in targets}
+    if json_out is not None:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
     if as_json:
-        import json
-
         print(json.dumps(result, indent=2))
     else:
         _print(result, targets)
@@ -154,23 +149,36 @@ def run_copy_bench(*, quick: bool, as_json: bool, device: str = "auto") -> int:
 
 def _print(result: dict[str, Any], targets: dict[str, tuple[str, float]]) -> None:
     print(f"kvcr bench copy --device {result['device']}{' --quick' if result['quick'] else ''}"
-          f": {result['engine']}, {result['bytes_per_row'] // MIB} MiB per row, median of "
-          f"{result['reps']}; memcpy2d {result['memcpy2d']}, pin failures "
-          f"{result['pin_failures']}")
-    print(f"{'block':>8} {'layout':>6} | {'save GB/s':>9} {'1 copy':>8} {'ratio':>6} | "
-          f"{'load GB/s':>9} {'1 copy':>8} {'ratio':>6} | bytes")
+          f": {result['engine']} ({result['gpu'] or 'CPU'}), {result['bytes_per_row'] // MIB}"
+          f" MiB per row, median of {result['reps']}; memcpy2d {result['memcpy2d']}, pin "
+          f"failures {result['pin_failures']}, CUDA call failures {result['cuda_failures']}")
+    names = result["strategies"]
+    print(f"{'block':>8} {'layout':>9} {'run':>3} {'copies':>6} | {'1 copy GB/s':>11} | "
+          + " ".join(f"{s:>13}" for s in names) + " | auto took | bytes")
+    print(f"{'':>31} | {'save / load':>11} | " + " ".join(f"{'save / load':>13}" for _ in names)
+          + " |")
     for r in result["rows"]:
-        print(f"{r['block_bytes'] // KIB:>5} KiB {r['layout']:>6} | {r['save_gbps']:>9.2f} "
-              f"{r['save_baseline_gbps']:>8.2f} {r['save_ratio']:>6.2f} | "
-              f"{r['load_gbps']:>9.2f} {r['load_baseline_gbps']:>8.2f} "
-              f"{r['load_ratio']:>6.2f} | {'ok' if r['checked'] else 'WRONG'}")
+        cells = " ".join(f"{r['strategies'][s]['save_ratio']:>6.2f}/"
+                         f"{r['strategies'][s]['load_ratio']:<6.2f}" for s in names)
+        took = "+".join(sorted(set(r["auto_chose"]["save"]) | set(r["auto_chose"]["load"])))
+        print(f"{r['block_bytes'] // KIB:>5} KiB {r['layout']:>9} {r['run_blocks']:>3} "
+              f"{r['copies_run_by_run']:>6} | {r['save_baseline_gbps']:>5.1f}/"
+              f"{r['load_baseline_gbps']:<5.1f} | {cells} | {took:>9} | "
+              f"{'ok' if r['checked'] else 'WRONG'}")
+    if result["registration"] is not None:
+        print(f"cudaHostRegister of a {result['registration']['pool_gib']} GiB pool:")
+        for name, v in result["registration"].items():
+            if isinstance(v, dict) and "calls" in v and v["register_s_per_gib"] is not None:
+                print(f"  {name:22} {v['register_s_per_gib']:.3f} s/GiB, longest call "
+                      f"{v['longest_call_s']:.3f} s in {v['calls']} call(s); prefault "
+                      f"{v['prefault_s_per_gib']:.3f} s/GiB")
     for name, value in result["summary"].items():
         verdict = ""
         if name in targets:
             op, bound = targets[name]
             verdict = f"   target {op} {bound:g}  " + (
                 "meets" if meets(targets, name, value) else "MISSES")
-        print(f"{name:16} {value!s:>8}{verdict}")
+        print(f"{name:36} {value!s:>8}{verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,8 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="short run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json-out", help="also write the JSON object to this file")
+    parser.add_argument("--strategies", help="CUDA strategies to time, comma separated "
+                        f"(default {','.join(CUDA_STRATEGIES)}; auto is always timed)")
+    parser.add_argument("--register-gib", type=int,
+                        help="pool size for the registration timing (CUDA; 0: skip)")
     args = parser.parse_args(argv)
-    return run_copy_bench(quick=args.quick, as_json=args.json, device=args.device)
+    strategies = args.strategies.split(",") if args.strategies else None
+    return run_copy_bench(quick=args.quick, as_json=args.json, device=args.device,
+                          strategies=strategies, json_out=args.json_out,
+                          register_gib=args.register_gib)
 
 
 if __name__ == "__main__":
