@@ -267,3 +267,81 @@ def test_a_pinned_mapping_gives_device_addresses_inside_it_only() -> None:
     assert pins.pin(1 << 20, 1 << 16)
     assert pins.device_address((1 << 20) + 100, 200) == (1 << 20) + 100
     assert pins.device_address((1 << 20) + 100, 1 << 16) is None
+
+
+class StandInStream:
+    cuda_stream = 0
+
+    def __init__(self, *args: object) -> None:
+        self.waits = 0
+
+    def wait_stream(self, other: object) -> None:
+        self.waits += 1
+
+    def wait_event(self, event: object) -> None:
+        self.waits += 1
+
+    def synchronize(self) -> None:
+        return None
+
+
+class StandInEvent:
+    def record(self, stream: object = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+@pytest.fixture
+def cuda_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaCopyEngine on CPU tensors: streams and events that do nothing (CPU copies finish
+    when issued), a fake libcudart, pinned host memory that is plain memory."""
+    from kvcr_core import cudacopy
+
+    monkeypatch.setattr(torch.cuda, "Stream", StandInStream)
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StandInStream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(cudacopy, "cuda_runtime", lambda device: CudaRuntime(FakeCalls({})))
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, pin_memory=False, **k: tensor(*a, **k))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strategy", ["runs", "gather", "direct", "auto"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["paged", "layerwise"])
+def test_the_cuda_engine_issues_each_strategy_byte_exactly(
+        cuda_stand_ins: None, strategy: str, layerwise: bool) -> None:
+    """The CUDA engine's own path from `copy` to its strategy, with stand-in streams: two
+    saves per call (merged), one call per layer or one for all, scattered blocks and slots
+    in descending order, staging halves of 3 blocks; every slot then holds its block, a load
+    brings every block back, and the strategy taken is counted."""
+    from kvcr_core.cudacopy import CudaCopyEngine
+
+    engine = CudaCopyEngine("cpu", use_memcpy2d=False, strategy=strategy,
+                            staging_bytes=6 * PLANES * PAGE)
+    pool = SlotPool.create(64, PLANES * PAGE)
+    flat = engine.pin_pool(pool.region)
+    rows = flat[:64 * pool.stride_bytes].view(64, pool.stride_bytes)
+    engine._pool_on_device = lambda r: r  # type: ignore[method-assign]  # CPU: zero-copy is the rows
+    planes, back = planes_of(6), [(torch.zeros_like(p), o, n) for p, o, n in planes_of(6)]
+    blocks, slots = [b + b // 3 for b in range(24)], [2 * s for s in range(24)][::-1]
+    calls = [(i, i + 2) for i in range(0, PLANES, 2)] if layerwise else [(0, PLANES)]
+    for lo, hi in calls:
+        engine.copy(block_pairs(planes[lo:hi], rows, blocks[:10], slots[:10], into_pool=True)
+                    + block_pairs(planes[lo:hi], rows, blocks[10:], slots[10:], into_pool=True))
+        engine.copy(block_pairs(back[lo:hi], rows, list(range(24)), slots, into_pool=False))
+    engine.record().wait()
+    for block, slot in zip(blocks, slots, strict=True):
+        assert bytes(pool.view(slot)) == b"".join(bytes(p[block].numpy()) for p, _, _ in planes)
+    assert all(torch.equal(m[:24], t[blocks]) for (m, _, _), (t, _, _) in zip(back, planes,
+                                                                                strict=True))
+    taken = "gather" if strategy == "auto" else strategy
+    assert engine.strategy_counts == {s: 2 * len(calls) * (s == taken)
+                                      for s in ("runs", "gather", "direct")}
+    engine.unpin_pool(flat)
