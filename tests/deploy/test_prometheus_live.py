@@ -27,13 +27,14 @@ import yaml
 
 from kvcr_bench.processes import GuardProcess, Process
 from kvcr_bench.vllm_servers import VllmServer
+from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"
-SECRET = "deploy-live-peer-secret-0123456789abcdefXYZ"
+SECRET = secret_for("deploy-live-peer-secret-0123456789abcdefXYZ")
 WORDS = ["pool", "guard", "router", "block", "prefix", "engine", "token", "socket", "peer",
          "hint", "slot", "lease", "commit", "namespace", "metric", "alert", "panel"]
 SYSTEM = " ".join(WORDS[(i * 5 + i // 3) % len(WORDS)] + str(i % 89) for i in range(400))

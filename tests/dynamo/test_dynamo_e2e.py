@@ -21,10 +21,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
+from kvcr_core.testing import secret_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-SECRET = "dynamo-e2e-peer-secret-0123456789-abcdefgh"
+SECRET = secret_for("dynamo-e2e-peer-secret-0123456789-abcdefgh")
 BEST = "dynamo_component_router_kv_best_eligible_cached_prefix_tokens_total"
 APPLIED = "dynamo_component_kv_cache_events_applied_total"  # (a counter: the parser adds _total)
 

@@ -16,10 +16,11 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
 from kvcr_bench.processes import GuardProcess
+from kvcr_core.testing import secret_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SECRET = "dynamo-guarded-peer-secret-0123456789-abcd"
+SECRET = secret_for("dynamo-guarded-peer-secret-0123456789-abcd")
 
 
 def guard(workdir: Path, port: int) -> GuardProcess:

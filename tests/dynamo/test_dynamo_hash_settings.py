@@ -18,10 +18,11 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 from kvcr_bench.dynamo_rig import DynamoRig, Worker, low_port
+from kvcr_core.testing import secret_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SECRET = "dynamo-hashes-peer-secret-0123456789-abcd"
+SECRET = secret_for("dynamo-hashes-peer-secret-0123456789-abcd")
 
 
 @pytest.fixture(scope="module")

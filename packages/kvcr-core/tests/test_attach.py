@@ -26,11 +26,11 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.peers import PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block, random_keys, resident_kib
+from kvcr_core.testing import pattern_block, random_keys, resident_kib, secret_for
 
 pytestmark = pytest.mark.unit
 
-SECRET = "attach-test-secret-0123456789abcdef"
+SECRET = secret_for("attach-test-secret-0123456789abcdef")
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/v1")

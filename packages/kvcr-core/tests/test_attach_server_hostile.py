@@ -28,14 +28,14 @@ from kvcr_core.attach import protocol as p
 from kvcr_core.checksums import block_checksum
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.peers import FetchStatus, InventoryReader, PeerClient, PeerMetrics, PeerSecret
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, secret_for
 
 pytestmark = pytest.mark.integration
 
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/hostile")
-SECRET = b"hostile-client-test-secret-0123456789"
+SECRET = secret_for("hostile-client-test-secret-0123456789").encode()
 
 
 def hello(spec: NamespaceSpec = SPEC, identity: str = "attacker") -> p.Hello:

@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry
 from kvcr_core.config import KVCRConfig
 from kvcr_core.peers import PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, secret_for
 from kvcr_core.types import NamespaceDigest
 
 pytestmark = pytest.mark.unit
 
-SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
+SECRET = PeerSecret(secret_for("correct horse battery staple, 2026 edition").encode())
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 
@@ -45,7 +45,8 @@ def test_inventory_events_follow_stores_and_evictions() -> None:
     assert stored == {router_hash_kvcr_v1(k) for k in keys[4:]} and len(removed) == 2
     assert reader.poll() == (False, [])
     with pytest.raises(ConnectionError, match="auth"):
-        InventoryReader(server.endpoint, PeerSecret(b"a-different-secret-zzz-0123456789abc")).poll()
+        wrong = PeerSecret(secret_for("a-different-secret-zzz-0123456789abc").encode())
+        InventoryReader(server.endpoint, wrong).poll()
     log = InventoryLog(max_batches=2, max_events=1)
     for k in keys:
         log.stored(NS, [k])

@@ -42,16 +42,17 @@ from kvcr_core.testing import (
     pattern_block,
     peer_node,
     random_keys,
+    secret_for,
 )
 from kvcr_core.types import NamespaceDigest
 
 pytestmark = pytest.mark.integration
 
-SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
+SECRET = PeerSecret(secret_for("correct horse battery staple, 2026 edition").encode())
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 NODE = str(Path(__file__).with_name("peer_node.py"))
-NODE_SECRET = "two-process-test-secret-0123456789"
+NODE_SECRET = secret_for("two-process-test-secret-0123456789")
 NO_NIXL = "nixl is not installed (pip install 'kvcr-core[nixl]')"
 
 
@@ -183,8 +184,8 @@ def test_keys_stored_or_out_of_room_while_asked_are_skipped_in_step(
 
 
 @pytest.mark.parametrize("client_secret,server_secret", [
-    (b"the wrong secret, but long enough", SECRET),
-    (SECRET, b"a server that does not know it!!"),
+    (secret_for("the wrong secret").encode(), SECRET),
+    (SECRET, secret_for("a server that does not know it").encode()),
 ])
 def test_wrong_secret_is_refused_both_ways(client_secret, server_secret, transport) -> None:
     """A peer without the shared secret gets nothing and serves nothing."""

@@ -4,6 +4,8 @@ never keep peers or routers that know it out. Real PeerServer, real sockets."""
 
 from __future__ import annotations
 
+import base64
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -23,14 +25,14 @@ from kvcr_core.peers import (
     PeerServer,
 )
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.auth import new_nonce
+from kvcr_core.peers.auth import new_nonce, weakness
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, secret_for
 from kvcr_core.types import NamespaceDigest
 
 pytestmark = pytest.mark.unit
 
-SECRET = PeerSecret(b"peer-port-hostile-test-secret-0123456789")
+SECRET = PeerSecret(secret_for("peer-port-hostile-test-secret-0123456789").encode())
 NS = NamespaceDigest(b"hostile-peer-ns!")
 BLOCK = 4096
 
@@ -105,7 +107,7 @@ def test_before_authentication_a_frame_is_small_and_the_secret_is_never_tested(s
     challenge_frame = recv_frame(guesser)[0]
     challenge = pp.decode_to_client(challenge_frame)
     assert isinstance(challenge, pp.Challenge)
-    wrong = PeerSecret(b"a-guess-of-the-secret-0123456789abc")
+    wrong = PeerSecret(secret_for("a-guess-of-the-secret-0123456789abc").encode())
     guesser.sendall(pp.encode(pp.Auth(wrong.prove(b"client", nonce, challenge.nonce), NS,
                                       BLOCK)))
     answer = bytes(recv_frame(guesser)[0])
@@ -117,17 +119,32 @@ def test_before_authentication_a_frame_is_small_and_the_secret_is_never_tested(s
 
 
 @pytest.mark.parametrize("text", [b"passwordpassword" * 2, b"short", b"a" * 64,
-                                  b"abcabcabcabcabcabcabcabcabcabcabc"])
+                                  b"abcabcabcabcabcabcabcabcabcabcabc",
+                                  b"kvcr-peer-secret-production-2024",
+                                  b"correct horse battery staple, 2026 edition",
+                                  b"CorrectHorseBatteryStaple2026Edition!!",
+                                  b"kvcr-fleet-secret-0123456789-abcdefghij"])
 def test_weak_secrets_are_refused_with_what_to_do(text: bytes) -> None:
     """Risk: a guessable secret protects the whole pool."""
     with pytest.raises(ConfigError, match="kvcr secret generate"):
         PeerSecret(text)
 
 
+def test_random_secrets_always_pass_the_strength_estimate() -> None:
+    """Risk: the entropy estimate refuses what `openssl rand` or `kvcr secret generate`
+    made (base64, base64url or hex of 32 random bytes), so operators cannot start."""
+    rng = random.Random(36)
+    for _ in range(3000):
+        raw = rng.randbytes(32)
+        for text in (base64.b64encode(raw), base64.urlsafe_b64encode(raw).rstrip(b"="),
+                     raw.hex().encode()):
+            assert weakness(text) is None, text
+
+
 def test_the_file_and_environment_forms_of_one_secret_agree(tmp_path, monkeypatch) -> None:
     """Risk: one Kubernetes Secret delivered as a file (with its trailing newline) and as an
     environment variable gave two different keys, and the peers could not authenticate."""
-    value = "one-kubernetes-secret-both-ways-0123456789"
+    value = secret_for("one-kubernetes-secret-both-ways-0123456789")
     path = tmp_path / "secret"
     path.write_text(f"  {value}\n")
     monkeypatch.setenv("TEST_PEER_SECRET_BOTH_WAYS", f"{value}\n")

@@ -23,7 +23,7 @@ from kvcr_core.peers.connection import SourceConnection, authenticate
 from kvcr_core.peers.nixl_engine import NixlEngine, NixlRead, nixl_installed
 from kvcr_core.peers.reads import read_plan
 from kvcr_core.runner import NamespaceStore
-from kvcr_core.testing import FakePeerSource, pattern_block, peer_node, random_keys
+from kvcr_core.testing import FakePeerSource, pattern_block, peer_node, random_keys, secret_for
 from kvcr_core.types import BlockKey, NamespaceDigest
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 if not nixl_installed():
     pytest.skip("nixl is not installed (pip install 'kvcr-core[nixl]')", allow_module_level=True)
 
-SECRET = PeerSecret(b"correct horse battery staple, 2026 edition")
+SECRET = PeerSecret(secret_for("correct horse battery staple, 2026 edition").encode())
 NS = NamespaceDigest(b"peer-test-ns-v1!")
 BLOCK = 16384
 

@@ -20,12 +20,12 @@ from kvcr_core.attach import (
 )
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.peers import FetchStatus
-from kvcr_core.testing import pattern_block
+from kvcr_core.testing import pattern_block, secret_for
 from kvcr_core.testing.ports import free_port
 
 pytestmark = pytest.mark.unit
 
-SECRET = "pull-on-miss-test-secret-0123456789abcdef"
+SECRET = secret_for("pull-on-miss-test-secret-0123456789abcdef")
 BLOCK = 8192
 SPEC = NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32", block_size_tokens=4,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/pull")

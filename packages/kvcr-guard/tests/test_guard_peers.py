@@ -17,14 +17,14 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, sequence_keys
 from kvcr_core.peers import FetchStatus, PeerClient, PeerMetrics, PeerSecret
 from kvcr_core.runner import Runner
-from kvcr_core.testing import pattern_block
+from kvcr_core.testing import pattern_block, secret_for
 
 pytestmark = pytest.mark.integration
 
 BLOCK = 16384
 SPEC = NamespaceSpec(model_id="tiny", dtype="float32", kv_dtype="float32", block_size_tokens=16,
                      num_layers=2, num_kv_heads=2, head_dim=64, layout="test/guard")
-SECRET = b"guard-peer-secret-for-tests-0123"
+SECRET = secret_for("guard-peer-secret-for-tests-0123").encode()
 
 
 def test_peers_fetch_from_a_guard_whose_engine_was_killed(short_tmp, harness) -> None:
@@ -117,7 +117,7 @@ def test_nixl_between_guards_is_opt_in() -> None:
     sock = os.path.join(tempfile.mkdtemp(prefix="kn"), "x.sock")
     base = ["--socket", sock, "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
             "TEST_NIXL_PEER_SECRET"]
-    os.environ["TEST_NIXL_PEER_SECRET"] = "nixl-opt-in-test-secret-0123456789"
+    os.environ["TEST_NIXL_PEER_SECRET"] = secret_for("nixl-opt-in-test-secret-0123456789")
     try:
         assert not config_from_args(build_parser().parse_args(base)).server.peer.nixl
         assert config_from_args(build_parser().parse_args([*base, "--peer-nixl"])).server.peer.nixl

@@ -20,13 +20,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcr_bench.vllm_servers import CPU_ENV, Process
+from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
 from kvcr_router.hashing import HfTokenizer, PromptHasher
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[3]
-SECRET = "router-e2e-peer-secret-0123456789abcdef"
+SECRET = secret_for("router-e2e-peer-secret-0123456789abcdef")
 WORDS = ["def", "class", "return", "import", "lambda", "yield", "async", "await", "value",
          "index", "buffer", "socket", "thread", "namespace", "router", "worker", "block"]
 SYSTEM = " ".join(WORDS[(i * 7 + i // 5) % len(WORDS)] + str(i % 97) for i in range(420))

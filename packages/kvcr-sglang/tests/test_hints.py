@@ -22,9 +22,10 @@ from kvcr_bench import sglang_rig as cpu_rig  # noqa: E402
 from kvcr_bench.sglang_rig import KVCR_EXTRA, PoolShape  # noqa: E402
 from kvcr_core.peers import PeerSecret  # noqa: E402
 from kvcr_core.peers.inventory_reader import InventoryReader  # noqa: E402
+from kvcr_core.testing import secret_for  # noqa: E402
 from kvcr_sglang.pagestore import router_hash  # noqa: E402
 
-SECRET = b"sglang-hint-test-secret-01234567"
+SECRET = secret_for("sglang-hint-test-secret-01234567").encode()
 SIDE = str(Path(__file__).with_name("sglang_side.py"))
 SHAPE = PoolShape()
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
+from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 sglang = pytest.importorskip("sglang", reason="runs in .venv-sglang (scripts/setup_sglang.sh)")
 
-SECRET = b"sglang-pull-test-secret-0123456789"
+SECRET = secret_for("sglang-pull-test-secret-0123456789").encode()
 SIDE = str(Path(__file__).with_name("sglang_side.py"))
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvcr_core.attach import Mode
 from kvcr_core.errors import ConfigError
+from kvcr_core.testing import secret_for
 from kvcr_sglang.pagestore import block_key, router_hash
 from kvcr_sglang.settings import BackendSettings
 
@@ -71,7 +72,7 @@ def test_shipped_example_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> N
     from pathlib import Path
 
     examples = Path(__file__).resolve().parents[3] / "examples" / "sglang"
-    monkeypatch.setenv("KVCR_PEER_SECRET", "settings-test-secret-0123456789abcdef")
+    monkeypatch.setenv("KVCR_PEER_SECRET", secret_for("settings-test-secret-0123456789abcdef"))
     for name in ("hicache-guarded.json", "hicache-embedded.json"):
         BackendSettings.from_extra_config(json.loads((examples / name).read_text()))
     linker = json.loads((examples / "linker.json").read_text())

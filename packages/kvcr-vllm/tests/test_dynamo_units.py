@@ -24,7 +24,14 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.errors import ConfigError
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
 from kvcr_core.runner import Runner
-from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
+from kvcr_core.testing import (
+    LoopbackPeers,
+    ManualClock,
+    ObservedRunner,
+    in_process,
+    pattern_block,
+    secret_for,
+)
 from kvcr_vllm.request_hints import block_hint_hashes, engine_hash_u64, raw_hint
 from kvcr_vllm.router_tier import HintHashScheme, RouterHintTier, guard_endpoint_problem
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
@@ -42,7 +49,7 @@ TIER = {"router_capabilities": ["router_hint"], "control_ports": [7500],
 FIELD = "kv_connector_extra_config"
 HOST = "secondary_tiers[0].control_advertise_host"
 PORTS = "secondary_tiers[0].control_ports"
-SECRET = "kvcr-dynamo-unit-secret-0123456789-abcdefghij"
+SECRET = secret_for("kvcr-dynamo-unit-secret-0123456789-abcdefghij")
 
 
 def settings(extra: dict[str, Any], dp_rank: int = 0) -> ConnectorSettings:

@@ -17,6 +17,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from kvcr_core.attach import AttachClient
 from kvcr_core.keys import sequence_keys
+from kvcr_core.testing import secret_for
 from kvcr_vllm.settings import namespace_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -196,7 +197,7 @@ def test_hint_fetches_from_the_named_peer_and_recomputes_when_it_is_gone(
     an endpoint that is not a configured peer is refused and counted."""
     from kvcr_core.keys import router_hashes
 
-    monkeypatch.setenv("KVCR_PEER_SECRET", "e2e-peer-secret-0123456789abcdef")
+    monkeypatch.setenv("KVCR_PEER_SECRET", secret_for("e2e-peer-secret-0123456789abcdef"))
     prompt = PROMPT[:1300]
     a = start_engine("plugin", [{"tokens": prompt}], {"peer_listen": "127.0.0.1:0"}, hold=True)
     try:

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvcr_core.testing import secret_for
+
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -27,7 +29,7 @@ def test_malformed_or_stranger_kv_hints_are_counted_and_recomputed(
     """Risk: a malformed Request.kv_hints (bad hashes, a payload that is no mapping, a
     mistyped envelope) or one naming a non-peer fails or hangs the request in the real engine,
     or passes uncounted."""
-    monkeypatch.setenv("KVCR_PEER_SECRET", "kv-hints-e2e-secret-0123456789abcdef")
+    monkeypatch.setenv("KVCR_PEER_SECRET", secret_for("kv-hints-e2e-secret-0123456789abcdef"))
     peer = "tcp://127.0.0.1:9"
     hints = [
         envelope({"source_control_endpoint": peer, "block_hashes": ["x", 1]}),

@@ -15,12 +15,13 @@ from vllm.engine.arg_utils import EngineArgs
 from kvcr_core.attach import AttachClient
 from kvcr_core.cli.status_cmd import fetch_status
 from kvcr_core.keys import sequence_keys
+from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
 from kvcr_vllm.settings import namespace_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-SECRET = "e2e-pull-secret-0123456789abcdefghij"
+SECRET = secret_for("e2e-pull-secret-0123456789abcdefghij")
 PROMPT = [(i * 7919) % 2000 + 4 for i in range(2100)]  # 65 full blocks of 32 + 20 tokens
 
 

@@ -25,9 +25,10 @@ from kvcr_bench.copies import meets
 from kvcr_bench.dynamo_rig import DynamoRig, low_port, missing
 from kvcr_bench.tiny_model import build
 from kvcr_core.peers.nixl_engine import nixl_installed
+from kvcr_core.testing import secret_for
 
 TARGETS = {"ttft_ratio_other_worker_vs_same_worker_kvcr": ("<=", 1.2)}
-SECRET = "kvcr-bench-dynamo-peer-secret-0123456789abcdef"
+SECRET = secret_for("kvcr-bench-dynamo-peer-secret-0123456789abcdef")
 
 
 def _turns(i: int) -> tuple[str, str, str]:

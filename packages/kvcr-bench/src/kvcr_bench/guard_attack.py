@@ -29,12 +29,12 @@ from kvcr_bench.processes import GuardProcess
 from kvcr_core.attach import AttachClient, probe_status
 from kvcr_core.attach import protocol as p
 from kvcr_core.checksums import block_checksum
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, secret_for
 
 CASES = ("none", "hints", "keys", "squat", "malformed", "idle", "tenant", "fd", "scribble",
          "peer")
 TARGET_P99_MS = 2.0
-SECRET = "kvcr-bench-under-attack-secret-0123456789"
+SECRET = secret_for("kvcr-bench-under-attack-secret-0123456789")
 
 
 @contextlib.contextmanager

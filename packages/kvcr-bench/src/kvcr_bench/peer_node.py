@@ -40,10 +40,10 @@ from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
 from kvcr_core.peers.lanes import LaneJob
 from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.runner import NamespaceStore, Runner
-from kvcr_core.testing import pattern_block, random_keys
+from kvcr_core.testing import pattern_block, random_keys, secret_for
 from kvcr_core.types import BlockKey, NamespaceDigest
 
-SECRET = b"kvcr-bench-peer-secret-0123456789"
+SECRET = secret_for("kvcr-bench-peer-secret-0123456789").encode()
 DIGEST = NamespaceDigest(b"kvcr-bench-peer!")
 BATCH = 64
 SMALL_OPS = 200

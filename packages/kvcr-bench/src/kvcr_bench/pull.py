@@ -27,9 +27,10 @@ from typing import Any
 
 from kvcr_bench.tiny_model import PRESETS, build
 from kvcr_bench.vllm_ttft import _probe
+from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
 
-SECRET = "kvcr-bench-pull-secret-0123456789abcdef"
+SECRET = secret_for("kvcr-bench-pull-secret-0123456789abcdef")
 TARGETS = {"ttft_ratio_pull_vs_hint": ("<=", 1.2)}
 
 

@@ -93,6 +93,8 @@ class PeerRefusal(enum.Enum):
     NAMESPACE = "namespace"
     MALFORMED = "malformed"
     BUSY = "busy"
+    TIMEOUT = "timeout"  # the handshake did not finish within its deadline
+    THROTTLED = "throttled"  # too many failed authentications from this address lately
 
 
 class Auth(Message, tag="auth"):

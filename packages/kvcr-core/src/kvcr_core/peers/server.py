@@ -3,10 +3,13 @@
 Threading: one accept thread, one thread per connection, each blocking with an I/O deadline.
 Before authentication a connection is one of at most `max_pending` (one more closes the one
 that waited longest, counted: a peer that knows the secret authenticates at once, so a flood
-of idle connections cannot keep it out), must finish the handshake within
-`handshake_timeout_s`, and may send frames of at most `MAX_HANDSHAKE_FRAME_BYTES`;
+of idle connections cannot keep it out), must finish the whole handshake within
+`handshake_timeout_s` (one deadline, not one per read: a timer closes it), and may send
+frames of at most `MAX_HANDSHAKE_FRAME_BYTES`;
 authenticated connections are counted apart (at most `max_connections`), so unauthenticated
-ones can never crowd out peers and routers that know the secret. A silent authenticated peer
+ones can never crowd out peers and routers that know the secret. An address that failed to
+authenticate `AuthThrottle.max_failures` times lately is closed at accept (guessing costs
+time). A silent authenticated peer
 costs a thread for at most `io_timeout_s`. Accept errors (out of descriptors included) back
 off and retry: serving never stops but by `close`; a fault while serving one connection ends
 that connection only. Refusals are counted and their log lines throttled.
@@ -46,6 +49,7 @@ from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.peers.protocol import PeerRefusal, TransportKind
 from kvcr_core.peers.tcp import TcpTransport
+from kvcr_core.peers.throttle import AuthThrottle
 from kvcr_core.peers.tls import PeerTLS
 from kvcr_core.peers.transport import PeerTransport
 from kvcr_core.runner import NamespaceStore, Runner
@@ -80,6 +84,7 @@ class PeerServer:
         self.max_connections = max_connections
         self.max_pending = max_pending
         self.handshake_timeout_s = handshake_timeout_s
+        self.throttle = AuthThrottle()
         self.io_timeout_s = io_timeout_s
         self._pending = 0  # connections not authenticated yet
         self._waiting: dict[socket.socket, None] = {}  # those, oldest first
@@ -147,7 +152,7 @@ class PeerServer:
         pause = 0.0
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError as exc:
                 if self._closed:
                     return
@@ -158,6 +163,11 @@ class PeerServer:
                 time.sleep(pause)
                 continue
             pause = 0.0
+            source = str(address[0]) if isinstance(address, tuple) else str(address)
+            if self.throttle.blocked(source):  # guessing: closed before a byte is read
+                self.metrics.on_refused(PeerRefusal.THROTTLED)
+                conn.close()
+                continue
             with self._lock:
                 oldest = next(iter(self._waiting)) if self._pending >= self.max_pending else None
                 if oldest is not None:
@@ -171,7 +181,8 @@ class PeerServer:
                     oldest.shutdown(socket.SHUT_RDWR)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.handshake_timeout_s)
-            worker = threading.Thread(target=self._serve, args=(conn,), name="kvcr-peer-conn",
+            worker = threading.Thread(target=self._serve, args=(conn, source),
+                                      name="kvcr-peer-conn",
                                       daemon=True)
             with self._lock:
                 self._workers.add(worker)
@@ -191,14 +202,24 @@ class PeerServer:
             raise _Refuse(PeerRefusal.BUSY, "too many peer connections; retry later")
         sock.settimeout(self.io_timeout_s)
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _serve(self, raw: socket.socket, source: str) -> None:
         owner = OwnerId(next(self._owners))
         sock = raw
         authenticated = False
+        deadline = threading.Timer(self.handshake_timeout_s, self._expire, args=(raw,))
+        deadline.daemon = True
+        deadline.start()
         try:
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(raw, server_side=True)
-            conn = self._handshake(raw, sock, owner)
+            try:
+                if self._tls is not None:
+                    sock = self._tls.wrap_socket(raw, server_side=True)
+                conn = self._handshake(raw, sock, owner)
+            except _Refuse as exc:
+                if exc.reason is PeerRefusal.AUTH:
+                    self.throttle.failed(source)
+                raise
+            finally:
+                deadline.cancel()
             authenticated = True
             while True:
                 if conn is None:  # an inventory reader (a router)
@@ -311,6 +332,16 @@ class PeerServer:
                                             b.removed.tolist()))
         sock.sendall(pp.encode(pp.InventoryReply(
             reset, self.runner.inventory.epoch, self.runner.inventory.last_seq, out)))
+
+    def _expire(self, raw: socket.socket) -> None:
+        """The whole handshake's deadline passed: a connection still waiting is closed (a
+        peer trickling bytes cannot hold it open read by read)."""
+        with self._lock:
+            waiting = raw in self._waiting
+        if waiting:
+            self.metrics.on_refused(PeerRefusal.TIMEOUT)
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
 
     def _refuse(self, conn: socket.socket, reason: PeerRefusal, detail: str) -> None:
         self.metrics.on_refused(reason)

@@ -4,6 +4,7 @@ own tests and for anyone testing code built on it.
 - `pattern_block(key, nbytes)`: deterministic bytes derived from a block key, so any reader
   can check that a slot holds exactly the bytes written for that key.
 - `random_keys(n, seed)`: distinct 16-byte keys without hashing token ids.
+- `secret_for(label)`: a strong peer secret derived from a label (tests, benchmarks).
 - `RaisingPolicy`: an eviction policy whose every hook raises, to prove the index survives.
 - `peer_node(namespace, block_bytes, blocks)`: a runner with one namespace open and peer
   metrics in its registry, the node of peer tests; `stocked_source(...)`: one holding pattern
@@ -27,7 +28,7 @@ own tests and for anyone testing code built on it.
 """
 
 from kvcr_core.testing.attach import LoopbackPeers, ManualClock, ObservedRunner, in_process
-from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys
+from kvcr_core.testing.blocks import RaisingPolicy, pattern_block, random_keys, secret_for
 from kvcr_core.testing.copies import ThreadedCopyEngine
 from kvcr_core.testing.fake_peer import FakePeerSource, LoopbackEngine, LoopbackTransport
 from kvcr_core.testing.netns import network_namespaces
@@ -35,7 +36,23 @@ from kvcr_core.testing.nodes import peer_node, stocked_source
 from kvcr_core.testing.pages import mapped_kib, resident_kib
 from kvcr_core.testing.ports import free_port
 
-__all__ = ["FakePeerSource", "LoopbackEngine", "LoopbackPeers", "LoopbackTransport",
-           "ManualClock", "ObservedRunner", "RaisingPolicy", "ThreadedCopyEngine", "free_port",
-           "in_process", "mapped_kib", "network_namespaces", "pattern_block", "peer_node",
-           "random_keys", "resident_kib", "stocked_source"]
+__all__ = [
+           "FakePeerSource",
+           "LoopbackEngine",
+           "LoopbackPeers",
+           "LoopbackTransport",
+           "ManualClock",
+           "ObservedRunner",
+           "RaisingPolicy",
+           "ThreadedCopyEngine",
+           "free_port",
+           "in_process",
+           "mapped_kib",
+           "network_namespaces",
+           "pattern_block",
+           "peer_node",
+           "random_keys",
+           "resident_kib",
+           "secret_for",
+           "stocked_source",
+]

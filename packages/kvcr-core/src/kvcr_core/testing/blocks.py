@@ -3,6 +3,7 @@ stores blocks. Pure; thread-safe."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import random
 from collections.abc import Iterator
@@ -42,3 +43,10 @@ class RaisingPolicy:
 
     def victims(self) -> Iterator[SlotId]:
         raise RuntimeError("policy victims failed")
+
+
+def secret_for(label: str) -> str:
+    """A strong peer secret derived from `label` (the same label, the same secret): for
+    tests and benchmarks, where each side must agree without a file."""
+    digest = hashlib.blake2b(label.encode(), digest_size=32).digest()
+    return base64.b64encode(digest).decode()
