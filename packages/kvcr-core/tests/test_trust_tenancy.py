@@ -154,3 +154,17 @@ def test_a_connect_flood_by_a_foreign_uid_does_not_keep_engines_out(guard) -> No
         t.join()
     flood.finish()
     assert results == [True] * 20
+
+
+def test_pages_punched_out_of_the_pool_are_never_loaded_as_kv(guard) -> None:
+    """Risk: a process that maps the namespace (same uid) punches holes in the pool memfd
+    (madvise(MADV_REMOVE) / fallocate(PUNCH_HOLE)); the victim's engine then loads zeroed
+    blocks without error while verify_loads is off."""
+    victim, keys = _victim(guard.socket)
+    vandal = Attacker("client", guard.socket, "punch", same_uid=True)
+    assert vandal.ready["punched"] is True
+    vandal.finish()
+    assert _exact(victim, keys) == 0  # dropped: a miss, never zeros
+    assert victim.lookup(keys) == 0
+    assert guard.metric("kvcr_holed_blocks_total") == 8
+    victim.close()

@@ -6,13 +6,14 @@ it to end a mode that holds.
 Modes: `fake-server PATH` (bind PATH, read what connecting engines send), `squat NAME...`
 (bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a Runner with the
 guard tests' namespace, as an engine would, then: `read[-tenant T] PROMPT BLOCKS`,
-`overwrite`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`), `flood SOCKET
-N` (keep up to N connections that never say Hello).
+`overwrite`, `punch`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`),
+`flood SOCKET N` (keep up to N connections that never say Hello).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -30,12 +31,14 @@ from attach_worker import BLOCK, SPEC, keys_for
 
 
 class Attacker:
-    """A trust_attacker.py mode running as uid 65534; `finish()` ends it and returns its
-    last report."""
+    """A trust_attacker.py mode running as uid 65534 (or, `same_uid`, as this test's own
+    uid: an attacker inside the victim's namespace); `finish()` ends it and returns its last
+    report."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = as_other_uid([sys.executable, __file__, *args], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def __init__(self, *args: str, same_uid: bool = False) -> None:
+        argv = [sys.executable, __file__, *args]
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        self.proc = subprocess.Popen(argv, **pipes) if same_uid else as_other_uid(argv, **pipes)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line, self.proc.stderr.read().decode() if self.proc.stderr else ""
@@ -46,6 +49,9 @@ class Attacker:
         lines = out.decode().strip().splitlines()
         return json.loads(lines[-1]) if lines else {"stderr": err.decode()}
 
+
+
+_MADV_REMOVE = 9
 
 
 def say(**fields: object) -> None:
@@ -145,6 +151,12 @@ def client(path: str, action: str, args: list[str]) -> None:
         for slot in range(pool.capacity_slots):
             pool.view(slot)[:] = b"\xee" * BLOCK
         say(ready=True, attached=True, overwrote=pool.capacity_slots)
+    elif action == "punch":  # MADV_REMOVE every slot: the pages leave the memfd (zeros)
+        pool = me.pool()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        done = libc.madvise(pool.region.address, pool.region.size_bytes, _MADV_REMOVE)
+        say(ready=True, attached=True, punched=done == 0)
     elif action == "status":
         say(ready=True, attached=True, status=probe_status(path, timeout_s=2.0))
     elif action.startswith("clear"):

@@ -39,6 +39,7 @@ import functools
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from typing import Final
 
 from kvcr_core.errors import ClosedError
@@ -63,6 +64,23 @@ class RegionKind(enum.Enum):
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+_MINCORE_GAP_BYTES = 1 << 20  # slots closer than this share one mincore call
+_BIT0 = bytes(b & 1 for b in range(256))
+
+
+def mincore(address: int, length: int) -> bytearray:
+    """One byte per page of [address, address + length) (page-aligned start): 1 if the page
+    is in memory, 0 if not."""
+    pages = (length + PAGE_BYTES - 1) // PAGE_BYTES
+    vec = bytearray(pages)
+    buf = (ctypes.c_char * pages).from_buffer(vec)
+    if _libc().mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    del buf
+    return vec.translate(_BIT0)  # only bit 0 has a meaning
 
 
 class HostRegion:
@@ -142,6 +160,11 @@ class HostRegion:
             self._address = ctypes.addressof(anchor)
             del anchor  # drop the buffer export at once, or the mapping could not close
         return self._address
+
+    @property
+    def hole_fd(self) -> int | None:
+        """The memfd to look for holes in (None: anonymous, or mapped from another's fd)."""
+        return self._fd
 
     @property
     def fd(self) -> int:
@@ -365,6 +388,38 @@ class SlotPool:
         if len(data) != self.slot_bytes:
             raise ValueError(f"block is {len(data)} bytes, slots hold {self.slot_bytes}")
         self.region.view[start:start + self.slot_bytes] = data
+
+    def holed(self, slots: Sequence[SlotId]) -> list[SlotId]:
+        """The slots among `slots` with a page missing from memory: punched out of the memfd
+        (`fallocate(PUNCH_HOLE)` by a process that maps it: it reads as zeros) or swapped
+        out. A block written here and in memory has every page. One `mincore` per cluster of
+        nearby slots (about 8 us per 16 MiB); regions this process did not create as a
+        memfd are not checked (their pages are this process's own)."""
+        if self.region.hole_fd is None or not slots:
+            return []
+        holed: list[SlotId] = []
+        ordered = sorted(set(slots))
+        first = 0
+        for i in range(1, len(ordered) + 1):
+            if i < len(ordered) and (ordered[i] - ordered[i - 1]) * self.stride_bytes \
+                    <= _MINCORE_GAP_BYTES:
+                continue
+            holed += self._holed_cluster(ordered[first:i])
+            first = i
+        return holed
+
+    def _holed_cluster(self, slots: list[SlotId]) -> list[SlotId]:
+        start = slots[0] * self.stride_bytes
+        end = slots[-1] * self.stride_bytes + self.slot_bytes
+        pages = mincore(self.region.address + start, end - start)
+        out = []
+        for slot in slots:
+            a = (slot * self.stride_bytes - start) // PAGE_BYTES
+            b = (slot * self.stride_bytes + self.slot_bytes - start + PAGE_BYTES - 1) \
+                // PAGE_BYTES
+            if pages.find(0, a, b) >= 0:
+                out.append(slot)
+        return out
 
     def read_into(self, slot: SlotId, out: bytearray | memoryview) -> None:
         start = self.offset(slot)

@@ -128,6 +128,7 @@ class RunnerMetrics(LightMetrics):
         self.lookups = self.lookup_hit_blocks = self.lookup_miss_blocks = 0
         self.blocks_stored = self.bytes_stored = self.blocks_loaded = self.bytes_loaded = 0
         self.blocks_aborted = 0
+        self.blocks_holed = 0
         self.refusals = {r.value: 0 for r in CapacityResource}
         self.hints = dict.fromkeys(HINT_OUTCOMES, 0)
         self.op_seconds = {op.value: LightHistogram(OP_BUCKETS_S) for op in IndexOp}
@@ -172,6 +173,10 @@ class RunnerMetrics(LightMetrics):
     def on_release(self, seconds: float) -> None:
         with self.lock:
             self.op_seconds["release"].observe(seconds)
+
+    def on_holed(self, blocks: int) -> None:
+        with self.lock:
+            self.blocks_holed += blocks
 
     def on_reclaimed(self, blocks: int) -> None:
         with self.lock:
@@ -229,6 +234,8 @@ class RunnerMetrics(LightMetrics):
                     self.bytes_loaded)
             yield c("kvcr_blocks_aborted_total", "Reserved blocks abandoned before commit",
                     self.blocks_aborted)
+            yield c("kvcr_holed_blocks_total", "READY blocks dropped because pages of their "
+                    "slot were punched out of the pool memfd", self.blocks_holed)
             yield self.labelled("kvcr_capacity_refusals_total",
                                 "Requests refused because a bound was reached", "resource",
                                 dict(self.refusals))

@@ -18,6 +18,7 @@ region's page backer (`back_ahead`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,10 +35,13 @@ from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.index import BlockIndex, Lease, Reservation
 from kvcr_core.inventory import InventoryLog
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.logs import ThrottledLog
 from kvcr_core.memory import HostRegion, RegionKind, SlotPool
 from kvcr_core.metrics import CapacityResource, NamespaceUsage, RunnerMetrics
 from kvcr_core.types import LOCAL_OWNER, BlockKey, NamespaceDigest, OpId, OwnerId, SlotId
 
+log = logging.getLogger("kvcr_core")
+_warn = ThrottledLog(log)
 _REGION_KIND = {MemoryBacking.MEMFD: RegionKind.MEMFD,
                 MemoryBacking.ANONYMOUS: RegionKind.ANONYMOUS}
 
@@ -52,6 +56,8 @@ class NamespaceStore:
         self.index = index
         self.checksums = SlotChecksums(index, pool.view)
         self.lock = threading.Lock()
+        self.check_holes = pool.region.hole_fd is not None
+        """Leases check their slots for punched holes (memfd pools other processes map)."""
         self._metrics = metrics
         self._clock = time.perf_counter
 
@@ -147,9 +153,28 @@ class NamespaceStore:
         with self.lock:
             table_full = self.index.open_leases >= self.index.max_leases
             lease = self.index.acquire(keys, owner, prefix_only=prefix_only, limit=limit)
+            if lease.granted and self.check_holes:
+                lease = self._without_holes(lease, keys, owner, prefix_only, limit)
         self._metrics.on_acquire(self._clock() - start, lease.granted, self.pool.slot_bytes,
                                  refused=table_full and not lease.granted)
         return lease
+
+    def _without_holes(self, lease: Lease, keys: Sequence[BlockKey], owner: OwnerId,
+                       prefix_only: bool, limit: int | None) -> Lease:
+        """`lease`, unless a leased slot has a hole (its pages were punched out of the
+        memfd by a process that maps it, and read as zeros): those blocks are dropped as
+        corrupt and the keys leased again (they miss now)."""
+        holed = self.pool.holed([s for s in lease.slots if s is not None])
+        if not holed:
+            return lease
+        self.index.release(lease.op, owner)
+        bad = [k for k in (self.index.key_of(s) for s in holed) if k is not None]
+        self.index.discard(bad)
+        self._metrics.on_holed(len(bad))
+        _warn.log(logging.ERROR, "holes", "namespace %s: %d READY blocks had holes punched in "
+                  "their pool pages (a process that maps the pool called fallocate?): "
+                  "dropped, their prompts recompute", self.digest.hex(), len(bad))
+        return self.index.acquire(keys, owner, prefix_only=prefix_only, limit=limit)
 
     def release(self, op: OpId, owner: OwnerId | None = None) -> bool:
         start = self._clock()
