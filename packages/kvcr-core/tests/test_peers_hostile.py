@@ -108,7 +108,7 @@ def test_before_authentication_a_frame_is_small_and_the_secret_is_never_tested(s
     challenge = pp.decode_to_client(challenge_frame)
     assert isinstance(challenge, pp.Challenge)
     wrong = PeerSecret(secret_for("a-guess-of-the-secret-0123456789abc").encode())
-    guesser.sendall(pp.encode(pp.Auth(wrong.prove(b"client", nonce, challenge.nonce), NS,
+    guesser.sendall(pp.encode(pp.Auth(wrong.prove(b"client", nonce, challenge.nonce), "", NS,
                                       BLOCK)))
     answer = bytes(recv_frame(guesser)[0])
     assert isinstance(pp.decode_to_client(answer), pp.Refused)

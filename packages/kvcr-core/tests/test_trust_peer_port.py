@@ -73,7 +73,7 @@ def _guess(address: tuple[str, int], n: int) -> str:
         challenge = pp.decode_to_client(recv_frame(sock)[0])
         assert isinstance(challenge, pp.Challenge)
         wrong = PeerSecret(secret_for(f"guess {n}").encode())
-        sock.sendall(pp.encode(pp.Auth(wrong.prove(b"client", nonce, challenge.nonce),
+        sock.sendall(pp.encode(pp.Auth(wrong.prove(b"client", nonce, challenge.nonce), "",
                                        b"", 4096)))
         answer = pp.decode_to_client(recv_frame(sock)[0])
         assert isinstance(answer, pp.Refused) and answer.reason is pp.PeerRefusal.AUTH

@@ -51,3 +51,4 @@ class FetchStatus(enum.Enum):
     UNREACHABLE = "unreachable"  # no connection, or it broke
     REFUSED = "refused"  # authentication, namespace or version refused
     PROTOCOL = "protocol"  # the source sent something malformed
+    UNTRUSTED = "untrusted"  # no trusted origin signed these bytes (a fleet): dropped

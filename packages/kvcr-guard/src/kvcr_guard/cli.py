@@ -100,6 +100,13 @@ def _peer_flags(ap: argparse.ArgumentParser) -> None:
                     "(repeatable)")
     _pull_flags(ap)
     ap.add_argument("--peer-secret-file", help="file holding the shared peer secret")
+    ap.add_argument("--peer-node-key", metavar="FILE",
+                    help="this node's fleet key (kvcr fleet keygen): with --peer-fleet, peers "
+                    "authenticate by node identity instead of a shared secret, and every block "
+                    "carries its origin's signature")
+    ap.add_argument("--peer-fleet", metavar="FILE",
+                    help="the fleet file: trusted nodes, routers and revoked names (re-read "
+                    "when it changes)")
     ap.add_argument("--peer-tls", nargs=3, metavar=("CERT", "KEY", "CA"),
                     help="TLS for the peer channel: this node's PEM certificate and key, and "
                     "the CA peers' certificates must chain to (mutual)")
@@ -135,7 +142,8 @@ def config_from_args(args: argparse.Namespace) -> GuardConfig:
     if runner.namespace_pool_bytes is None:  # never one namespace for the whole pool
         share = max(4096, runner.pool_bytes // DEFAULT_NAMESPACE_SHARE)
         runner = dataclasses.replace(runner, namespace_pool_bytes=share)
-    secret = (secret_from(args.peer_secret_file, args.peer_secret_env)
+    secret = (secret_from(args.peer_secret_file, args.peer_secret_env,
+                          node_key=args.peer_node_key, fleet=args.peer_fleet)
               if args.peer_listen or args.peer else None)
     peer = PeerConfig(listen=args.peer_listen, secret=secret, peers=frozenset(args.peer),
                       tls=PeerTLS(*args.peer_tls) if args.peer_tls else None,

@@ -24,7 +24,9 @@ from kvcr_core.attach.settings import PeerConfig
 from kvcr_core.keys import router_hash_kvcr_v1
 from kvcr_core.peers import FetchResult, InventoryReader, PeerClient, PeerMetrics, PeerServer
 from kvcr_core.peers.directory import InventorySource, PeerDirectory
+from kvcr_core.peers.fleet import FleetCredential
 from kvcr_core.peers.metrics import DirectoryMetrics
+from kvcr_core.peers.origins import OriginRegistry
 from kvcr_core.runner import NamespaceStore, Runner
 from kvcr_core.types import BlockKey, NamespaceDigest
 
@@ -73,7 +75,20 @@ class RunnerPeers:
         self.directory: PeerDirectory | None = None
         self._fetchers: dict[NamespaceDigest, PeerClient] = {}
         self._lock = threading.Lock()
+        credential = config.secret
+        self.origins = OriginRegistry(credential) if isinstance(
+            credential, FleetCredential) else None
 
+    def tick(self) -> None:
+        """Re-reads the fleet file if it changed: blocks whose origin it revoked are dropped
+        from every namespace (and the revoked node's connections end at their next use)."""
+        if self.origins is None:
+            return
+        revoked = self.origins.credential.refresh()
+        if revoked:
+            dropped = self.origins.revoked(revoked, self.runner)
+            log.warning("kvcr fleet: %s revoked; %d blocks of theirs dropped",
+                        ", ".join(sorted(revoked)), dropped)
     def start(self) -> None:
         """Starts the peer server and the peer directory, as far as the config asks."""
         peer = self.config
@@ -89,7 +104,8 @@ class RunnerPeers:
         host, _, port = peer.listen.rpartition(":")
         assert peer.secret is not None
         self.server = PeerServer(self.runner, peer.secret, self.metrics, host=host.strip("[]"),
-                                 port=int(port), tls=peer.tls, nixl=peer.nixl)
+                                 port=int(port), tls=peer.tls, nixl=peer.nixl,
+                                 origins=self.origins)
         log.info("kvcr serving peers on %s", self.server.endpoint)
 
     @property
@@ -115,7 +131,8 @@ class RunnerPeers:
             client = self._fetchers.get(store.digest)
             if client is None:
                 client = self._fetchers[store.digest] = PeerClient(
-                    store, peer.secret, self.metrics, tls=peer.tls, nixl=peer.nixl)
+                    store, peer.secret, self.metrics, tls=peer.tls, nixl=peer.nixl,
+                    origins=self.origins)
             return client
 
     def remote_run(self, namespace: NamespaceDigest,

@@ -444,6 +444,7 @@ class AttachServer:
         if now >= self._next_tick:
             self._next_tick = now + _TICK_S
             self.host.release_idle(now)
+            self.host.peers.tick()
 
     # -- shutdown ----------------------------------------------------------------------------
 

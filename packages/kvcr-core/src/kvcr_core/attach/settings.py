@@ -25,12 +25,14 @@ from kvcr_core.config import KVCRConfig, load_config, parse_size_bytes
 from kvcr_core.endpoint import Endpoint
 from kvcr_core.errors import ConfigError, HintRejected
 from kvcr_core.peers import PeerSecret, PeerTLS
+from kvcr_core.peers.fleet import FleetCredential, NodeKey, PeerCredential
 
 ENGINE_KEYS = frozenset({"mode", "socket", "pool_bytes", "config_file", "kvcr", "timeout_s",
                          "identity", "peer_listen", "peer_secret_file", "peer_secret_env",
                          "peers", "fetch_deadline_s", "peer_tls", "peer_nixl", "pull_on_miss",
                          "pull_min_blocks", "peer_feed_max_blocks", "metrics_listen",
-                         "prefault", "back_ahead", "runner_uids"})
+                         "prefault", "back_ahead", "runner_uids", "peer_node_key_file",
+                         "peer_fleet_file"})
 DEFAULT_PULL_MIN_BLOCKS = 1  # measured: pulling even one block beat recomputing it
 DEFAULT_FEED_MAX_BLOCKS = 1 << 18
 DEFAULT_SECRET_ENV = "KVCR_PEER_SECRET"
@@ -53,8 +55,9 @@ class PeerConfig:
 
     listen: str = ""
     """HOST:PORT to serve blocks to peers on ("" = serve none; port 0 = any free port)."""
-    secret: PeerSecret | None = None
-    """The shared secret peers authenticate with (needed to serve or to fetch)."""
+    secret: PeerCredential | None = None
+    """What peers authenticate with (needed to serve or to fetch): this node's fleet
+    identity, or the older shared secret."""
     peers: frozenset[str] = frozenset()
     """Endpoints this Runner may fetch from: the only sources a KV hint may name."""
     tls: PeerTLS | None = None
@@ -132,12 +135,24 @@ class PeerConfig:
         if not (load_secret and config.active):
             return config
         secret = secret_from(extra.get("peer_secret_file"),
-                             extra.get("peer_secret_env", DEFAULT_SECRET_ENV))
+                             extra.get("peer_secret_env", DEFAULT_SECRET_ENV),
+                             node_key=extra.get("peer_node_key_file"),
+                             fleet=extra.get("peer_fleet_file"))
         return dataclasses.replace(config, secret=secret)
 
 
-def secret_from(path: str | None, env: str) -> PeerSecret:
-    """The peer secret from a file when one is named, else from environment variable `env`."""
+def secret_from(path: str | None, env: str, *, node_key: str | None = None,
+                fleet: str | None = None) -> PeerCredential:
+    """The peer credential: a fleet identity when `fleet` (the fleet file) is given, with
+    the node key file `node_key`; else the shared secret, from a file when one is named,
+    else from environment variable `env`."""
+    if fleet or node_key:
+        if not (fleet and node_key):
+            raise ConfigError("peer_fleet_file" if node_key else "peer_node_key_file", None,
+                              "a fleet identity needs both the node's key file and the fleet "
+                              "file (peer_node_key_file + peer_fleet_file, or kvcr-guard "
+                              "--peer-node-key + --peer-fleet)")
+        return FleetCredential(NodeKey.from_file(node_key), fleet)
     return PeerSecret.from_file(path) if path else PeerSecret.from_env(env)
 
 

@@ -2,8 +2,8 @@
 
 Subcommands: `bench NAME` (the benchmarks kvcr-bench installs: pool, guard, peer, vllm,
 serve, sglang, pull, dynamo, copy), `config check FILE`, `keys --namespace SPEC TOKENS_FILE`,
-`secret generate`, `status --socket PATH`, `--version`. Each subcommand lives in its own
-module and is imported only when chosen, so `kvcr --version` stays instant.
+`secret generate`, `fleet keygen`, `status --socket PATH`, `--version`. Each subcommand
+lives in its own module and is imported only when chosen, so `kvcr --version` stays instant.
 Exit codes: 0 ok, 1 failed check, 2 usage error.
 """
 
@@ -69,6 +69,12 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", help="write it to this new file (mode 0600) instead of "
                           "printing it")
 
+    fleet = sub.add_parser("fleet", help="fleet identities (one key per node and router)")
+    fleet_sub = fleet.add_subparsers(dest="fleet", required=True)
+    keygen = fleet_sub.add_parser("keygen", help="make a node's (or router's) key")
+    keygen.add_argument("--out", required=True, help="the new key file (mode 0600)")
+    keygen.add_argument("--name", required=True, help="the node's name in the fleet file")
+
     status = sub.add_parser("status", help="print the state of a kvcr runner's pool")
     target = status.add_mutually_exclusive_group(required=True)
     target.add_argument("--socket", help="the kvcr-guard socket path, or @NAME for an embedded "
@@ -130,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcr_core.cli.secret_cmd import run_secret_generate
 
         return run_secret_generate(args.out)
+    if args.command == "fleet":
+        from kvcr_core.cli.secret_cmd import run_fleet_keygen
+
+        return run_fleet_keygen(args.out, args.name)
     if args.command == "status":
         from kvcr_core.cli.status_cmd import run_status
 

@@ -22,6 +22,7 @@ import string
 from typing import Final
 
 from kvcr_core.errors import ConfigError
+from kvcr_core.peers.fleet import Identity
 
 MIN_SECRET_BYTES: Final = 32
 MIN_SECRET_BITS: Final = 128
@@ -111,6 +112,20 @@ class PeerSecret:
 
     def check(self, role: bytes, mine: bytes, theirs: bytes, mac: bytes) -> bool:
         return hmac.compare_digest(self.prove(role, mine, theirs), mac)
+
+    @property
+    def name(self) -> str:
+        return ""  # a shared secret names nobody
+
+    def identify(self, role: bytes, node: str, mine: bytes, theirs: bytes,
+                 proof: bytes) -> Identity | None:
+        """`PeerCredential.identify`: whoever knows the secret, unnamed."""
+        if node or not self.check(role, mine, theirs, proof):
+            return None
+        return Identity("")
+
+    def identify_again(self, identity: Identity) -> bool:
+        return True  # a shared secret cannot revoke anyone
 
     def __repr__(self) -> str:
         return "PeerSecret(<hidden>)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import socket
 import threading
 import time
@@ -32,10 +33,11 @@ import msgspec
 from kvcr_core.endpoint import Endpoint
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.connection import DestConnection, FetchJob, PeerRefused, authenticate
+from kvcr_core.peers.fleet import FleetCredential, Identity, PeerCredential
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.nixl_engine import nixl_installed
+from kvcr_core.peers.origins import Expected, OriginRegistry, expected_sums
 from kvcr_core.peers.protocol import TransportKind
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.tls import PeerTLS
@@ -99,11 +101,16 @@ class PeerClient:
     `nixl=True` is `transport=NixlTransport(parallel_reads=parallel_reads)` where nixl is
     installed."""
 
-    def __init__(self, store: NamespaceStore, secret: PeerSecret, metrics: PeerMetrics, *,
+    def __init__(self, store: NamespaceStore, secret: PeerCredential, metrics: PeerMetrics, *,
                  max_concurrent: int = 8, tls: PeerTLS | None = None, nixl: bool = False,
-                 parallel_reads: bool = True, transport: PeerTransport | None = None) -> None:
+                 parallel_reads: bool = True, transport: PeerTransport | None = None,
+                 origins: OriginRegistry | None = None) -> None:
+        """`origins`: the Runner's origin books (fleet credentials; one is made if None):
+        each fetched block is kept only if a trusted node signed its bytes as its origin."""
         self.store = store
         self.secret = secret
+        self.origins = origins if origins is not None or not isinstance(
+            secret, FleetCredential) else OriginRegistry(secret)
         self.metrics = metrics
         self._tls = tls.client_context() if tls is not None else None
         if transport is None and nixl and tls is None and nixl_installed():
@@ -119,9 +126,11 @@ class PeerClient:
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrent,
                                                            thread_name_prefix="kvcr-fetch")
+        self._checks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvcr-origin")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._checks.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
@@ -174,6 +183,9 @@ class PeerClient:
             finally:
                 if job.reservation is not None:
                     self.store.settle(job.reservation, job.keep)
+                    if self.origins is not None and job.origins:
+                        self.origins.book(self.store.digest).record(job.keep, job.origins,
+                                                                    self.store)
         self.metrics.on_fetch(Counter(statuses), job.received)
         return FetchResult(tuple(statuses), job.received, detail, transport)
 
@@ -200,13 +212,45 @@ class PeerClient:
             reply = pp.decode_to_client(recv_frame(conn.sock)[0])
             if isinstance(reply, pp.Refused):
                 raise PeerRefused(reply.reason, reply.detail)
+            checked = None
+            if self.origins is not None:  # a fleet: where each block comes from, first
+                reply, checked = self._origins(conn, reply, job)
             reusable = conn.transport.receive(conn, reply, job)
+            if checked is not None:
+                self._keep_only_from_origins(job, checked.result())
             return conn.transport.kind
         finally:
             if reusable:
                 self._checkin(endpoint, conn)
             else:
                 self._drop(conn)
+
+    def _origins(self, conn: DestConnection, origins: pp.ToClient, job: FetchJob
+                 ) -> tuple[pp.ToClient, concurrent.futures.Future[Expected]]:
+        """Reads the blocks' reply that follows `origins` and checks the origins on a helper
+        thread while the bytes arrive."""
+        if not isinstance(origins, pp.Origins) or origins.seq != conn.seq:
+            raise FrameError("a fleet source sends Origins before its blocks")
+        conn.time_left(job.deadline)
+        reply = pp.decode_to_client(recv_frame(conn.sock)[0])
+        found = getattr(reply, "found", None)
+        if not isinstance(found, list) or len(found) != len(job.wanted):
+            raise FrameError("a reply to Origins that does not match the Fetch")
+        keys = [job.keys[i] for i, f in zip(job.wanted, found, strict=True) if f]
+        assert self.origins is not None
+        check = functools.partial(expected_sums, self.origins.credential, self.store.digest,
+                                  origins, keys)
+        return reply, self._checks.submit(check)
+
+    def _keep_only_from_origins(self, job: FetchJob, expected: Expected) -> None:
+        """Keeps a block only if its origin signed it and its bytes hash as signed."""
+        where = {job.keys[i]: i for i in job.wanted}
+        for key, got in list(job.keep.items()):
+            signed = expected.get(key)
+            if signed is None or signed[0] != got:
+                del job.keep[key]
+                job.statuses[where[key]] = FetchStatus.UNTRUSTED
+        job.origins = {k: expected[k][1] for k in job.keep}
 
     def _reserve(self, job: FetchJob) -> None:
         """Reserves slots for the keys asked of the peer. One stored (or being fetched)
@@ -229,6 +273,9 @@ class PeerClient:
         with self._lock:
             idle = self._idle.get(endpoint)
             conn = idle.pop() if idle else None
+        if conn is not None and conn.node and not self.secret.identify_again(Identity(conn.node)):
+            self._drop(conn)  # its node was revoked since
+            conn = None
         if (conn is not None and conn.transport is self._tcp and self.preferred is not None
                 and self.preferred.usable(endpoint, self.store)):
             self._drop(conn)  # made before the preferred transport was usable: offer it now
@@ -263,6 +310,7 @@ class PeerClient:
             transports, features = offered(offer)
             ready = authenticate(sock, self.secret, self.store.digest, self.store.block_bytes,
                                  endpoint, transports, features)
+            conn.node = ready.node
             if offer is not None and ready.transport is offer.kind:
                 conn.transport = offer
                 conn.features = frozenset(ready.features) & frozenset(offer.features)

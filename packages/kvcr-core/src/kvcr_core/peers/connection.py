@@ -15,13 +15,15 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvcr_core.checksums import SlotChecksums
 from kvcr_core.framing import FrameError, recv_frame
+from kvcr_core.logs import printable
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.auth import PeerSecret, new_nonce
+from kvcr_core.peers.auth import new_nonce
+from kvcr_core.peers.fleet import Identity, PeerCredential
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.runner import NamespaceStore
 from kvcr_core.types import BlockKey, FetchStatus, OpId, OwnerId, SlotId
@@ -51,6 +53,8 @@ class FetchJob:
     cancel: threading.Event | None
     received: int = 0
     reservation: OpId | None = None
+    origins: dict[BlockKey, pp.Manifest] = dataclasses.field(default_factory=dict)
+    """Fleet fetches: the manifest each kept block came with (its origin's signature)."""
 
     def fail(self, status: FetchStatus) -> None:
         """Every key asked of the peer and not settled yet ends with `status`."""
@@ -73,6 +77,7 @@ class DestConnection:
     def __init__(self, sock: socket.socket, endpoint: str, transport: PeerTransport,
                  store: NamespaceStore, remote: str = "",
                  features: frozenset[str] = frozenset()) -> None:
+        self.node = ""  # the source's fleet name, once authenticated
         self.sock = sock
         self.endpoint = endpoint
         self.transport = transport
@@ -103,15 +108,27 @@ class SourceConnection:
     io_timeout_s: float
     features: frozenset[str] = frozenset()
     inline: bool = False
+    identity: Identity = dataclasses.field(default_factory=lambda: Identity(""))
+    origins: Callable[[int, Sequence[tuple[BlockKey, int]]], bytes] | None = None
+    """Fleet connections: the encoded `Origins` frame to send before a fetch's blocks."""
+
+    def origins_frame(self, seq: int, keys: Sequence[bytes],
+                      slots: Sequence[SlotId | None]) -> list[bytes]:
+        """[the Origins frame] for the found blocks of a fetch, or [] without a fleet."""
+        if self.origins is None:
+            return []
+        found = [(BlockKey(k), self.checksums.of(s)) for k, s in zip(keys, slots, strict=True)
+                 if s is not None]
+        return [self.origins(seq, found)]
 
 
-def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, block_bytes: int,
-                 endpoint: str, transports: Sequence[str] = (),
+def authenticate(sock: socket.socket, secret: PeerCredential, namespace: bytes,
+                 block_bytes: int, endpoint: str, transports: Sequence[str] = (),
                  features: Sequence[str] = ()) -> pp.Ready:
     """The client half of the handshake (docs/peers.md); the socket's timeout bounds it.
     An empty `namespace` asks for an inventory-only session; `transports` offers extras
     beyond TCP, `features` protocol features. Returns the source's Ready (which transport it
-    chose, which features it accepted)."""
+    chose, which features it accepted, and its fleet name, checked)."""
     nonce = new_nonce()
     sock.sendall(pp.encode(pp.Hello(pp.PEER_PROTOCOL_VERSION, nonce)))
     challenge = pp.decode_to_client(recv_frame(sock)[0])
@@ -119,15 +136,19 @@ def authenticate(sock: socket.socket, secret: PeerSecret, namespace: bytes, bloc
         raise PeerRefused(challenge.reason, challenge.detail)
     if not isinstance(challenge, pp.Challenge):
         raise FrameError("expected Challenge")
-    sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce), namespace,
-                                   block_bytes, list(transports), list(features))))
+    sock.sendall(pp.encode(pp.Auth(secret.prove(b"client", nonce, challenge.nonce),
+                                   secret.name, namespace, block_bytes, list(transports),
+                                   list(features))))
     ready = pp.decode_to_client(recv_frame(sock)[0])
     if isinstance(ready, pp.Refused):
         raise PeerRefused(ready.reason, ready.detail)
     if not isinstance(ready, pp.Ready):
         raise FrameError("expected Ready")
-    if not secret.check(b"server", challenge.nonce, nonce, ready.mac):
+    identity = secret.identify(b"server", ready.node, challenge.nonce, nonce, ready.mac)
+    if identity is None or identity.router:
         raise PeerRefused(pp.PeerRefusal.AUTH,
-                          f"{endpoint} does not know the shared peer secret")
+                          f"{endpoint} does not know the shared peer secret" if not ready.node
+                          else f"{endpoint} is not a trusted fleet node "
+                          f"({printable(ready.node)!r}: unknown, revoked or a wrong key)")
     return ready
 

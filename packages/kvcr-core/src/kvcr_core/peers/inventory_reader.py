@@ -18,14 +18,14 @@ from kvcr_core.endpoint import Endpoint
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.inventory import InventoryBatch
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.connection import PeerRefused, authenticate
+from kvcr_core.peers.fleet import PeerCredential
 from kvcr_core.peers.tls import PeerTLS
 
 R = TypeVar("R", pp.InventoryReply, pp.HintPosted)
 
 class InventoryReader:
-    def __init__(self, endpoint: str, secret: PeerSecret, timeout_s: float = 5.0, *,
+    def __init__(self, endpoint: str, secret: PeerCredential, timeout_s: float = 5.0, *,
                  tls: PeerTLS | None = None) -> None:
         self.endpoint = Endpoint.parse(endpoint, where="inventory endpoint")
         self.secret = secret

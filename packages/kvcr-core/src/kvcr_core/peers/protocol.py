@@ -54,7 +54,7 @@ from kvcr_core.checksums import block_checksum as checksum  # noqa: F401 (the wi
 from kvcr_core.wire import Message, encode_frame
 from kvcr_core.wire import PostHint as PostHint
 
-PEER_PROTOCOL_VERSION: Final = 2
+PEER_PROTOCOL_VERSION: Final = 3
 MAX_HANDSHAKE_FRAME_BYTES: Final = 4096
 MAX_KEYS_PER_FETCH: Final = 4096
 MAX_INVENTORY_BATCHES: Final = 16  # asked for at most; a reply carries what fits a frame
@@ -64,7 +64,9 @@ LATE_CHECKSUMS: Final = "late_checksums"  # the one feature so far (see the modu
 
 Key = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
-Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Mac = Annotated[bytes, msgspec.Meta(min_length=32, max_length=64)]  # HMAC, or Ed25519 sig
+NodeName = Annotated[str, msgspec.Meta(max_length=128)]
+MAX_MANIFESTS: Final = 64  # origin manifests per reply
 
 
 class Hello(Message, tag="hello"):
@@ -98,7 +100,8 @@ class PeerRefusal(enum.Enum):
 
 
 class Auth(Message, tag="auth"):
-    mac: Mac
+    mac: Mac  # the HMAC of the shared secret, or the node key's signature
+    node: NodeName  # the client's fleet name ("" with a shared secret)
     namespace: Annotated[bytes, msgspec.Meta(max_length=16)]  # empty: inventory reader only
     block_bytes: int
     # offered beyond TCP, and protocol features offered
@@ -110,6 +113,7 @@ class Auth(Message, tag="auth"):
 
 class Ready(Message, tag="ready"):
     mac: Mac  # the source's proof, given only to a client that proved its own
+    node: NodeName  # the source's fleet name ("" with a shared secret)
     transport: TransportKind = TransportKind.TCP
     nixl_agent: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
     features: Annotated[list[str], msgspec.Meta(max_length=8)] = msgspec.field(
@@ -124,6 +128,25 @@ class Refused(Message, tag="refused"):
 class Fetch(Message, tag="fetch"):
     seq: int
     keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+
+
+class Manifest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Blocks as their origin node committed them: its name, their keys and checksums, and
+    its signature over them and the namespace (kvcr_core.peers.origins)."""
+
+    origin: NodeName
+    keys: Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    checksums: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
+    signature: Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+
+
+class Origins(Message, tag="origins"):
+    """Sent before Blocks / NixlBlocks on a fleet connection: where each found block comes
+    from (`of_found`: the index of its manifest, in found order)."""
+
+    seq: int
+    manifests: Annotated[list[Manifest], msgspec.Meta(max_length=MAX_MANIFESTS)]
+    of_found: Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS_PER_FETCH)]
 
 
 class Blocks(Message, tag="blocks"):
@@ -188,7 +211,7 @@ class HintPosted(Message, tag="hint_posted"):
 encode = encode_frame
 ToServer = Hello | Auth | Fetch | FetchDone | Inventory | PostHint
 ToClient = (Challenge | Ready | Refused | Blocks | NixlBlocks | NixlChecksums | InventoryReply
-            | HintPosted)
+            | HintPosted | Origins)
 
 _server_decoder = msgspec.msgpack.Decoder(ToServer)
 _client_decoder = msgspec.msgpack.Decoder(ToClient)

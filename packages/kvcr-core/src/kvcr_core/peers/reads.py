@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import msgspec
 
 from kvcr_core.checksums import block_checksum
-from kvcr_core.framing import FrameError, readable, recv_frame
+from kvcr_core.framing import FrameError, readable, recv_frame, send_all
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import DestConnection, FetchJob, SourceConnection
 from kvcr_core.peers.lanes import LaneJob, ReadLanes
@@ -140,10 +140,11 @@ class ReadTransport(PeerTransport):
             stride, sums = store.pool.stride_bytes, conn.checksums
             slots = [s for s in lease.slots if s is not None]  # leased: inside the pool
             late = pp.LATE_CHECKSUMS in conn.features
+            origins = conn.origins_frame(fetch.seq, fetch.keys, lease.slots)
             known = sums.known(slots) if late else [sums.of(s) for s in slots]
-            conn.sock.sendall(pp.encode(pp.NixlBlocks(
+            send_all(conn.sock, [*origins, pp.encode(pp.NixlBlocks(
                 fetch.seq, [s is not None for s in lease.slots],
-                [base + s * stride for s in slots], known)))
+                [base + s * stride for s in slots], known))])
             per_group = max(1, SEND_GROUP_BYTES // store.block_bytes)
             for start in range(len(known), len(slots), per_group):
                 group = [sums.of(s) for s in slots[start:start + per_group]]

@@ -43,10 +43,12 @@ from kvcr_core.errors import UnknownNamespaceError
 from kvcr_core.framing import FrameError, recv_frame
 from kvcr_core.logs import ThrottledLog, printable
 from kvcr_core.peers import protocol as pp
-from kvcr_core.peers.auth import PeerSecret, new_nonce
+from kvcr_core.peers.auth import new_nonce
 from kvcr_core.peers.connection import SourceConnection
+from kvcr_core.peers.fleet import FleetCredential, Identity, PeerCredential
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.nixl_engine import nixl_installed
+from kvcr_core.peers.origins import OriginRegistry
 from kvcr_core.peers.protocol import PeerRefusal, TransportKind
 from kvcr_core.peers.tcp import TcpTransport
 from kvcr_core.peers.throttle import AuthThrottle
@@ -73,13 +75,17 @@ class PeerServer:
     namespace pool with no read-only mode, so an authenticated peer could also write it).
     With TLS every connection stays on TCP."""
 
-    def __init__(self, runner: Runner, secret: PeerSecret, metrics: PeerMetrics, *,
+    def __init__(self, runner: Runner, secret: PeerCredential, metrics: PeerMetrics, *,
                  host: str = "127.0.0.1", port: int = 0, max_connections: int = 64,
                  max_pending: int = 16, handshake_timeout_s: float = 2.0,
                  io_timeout_s: float = 30.0, tls: PeerTLS | None = None,
-                 nixl: bool = False, transports: Sequence[PeerTransport] = ()) -> None:
+                 nixl: bool = False, transports: Sequence[PeerTransport] = (),
+                 origins: OriginRegistry | None = None) -> None:
+        """`origins`: the Runner's origin books (fleet credentials; one is made if None)."""
         self.runner = runner
         self.secret = secret
+        self.origins = origins if origins is not None or not isinstance(
+            secret, FleetCredential) else OriginRegistry(secret)
         self.metrics = metrics
         self.max_connections = max_connections
         self.max_pending = max_pending
@@ -213,7 +219,7 @@ class PeerServer:
             try:
                 if self._tls is not None:
                     sock = self._tls.wrap_socket(raw, server_side=True)
-                conn = self._handshake(raw, sock, owner)
+                conn, identity = self._handshake(raw, sock, owner)
             except _Refuse as exc:
                 if exc.reason is PeerRefusal.AUTH:
                     self.throttle.failed(source)
@@ -226,6 +232,10 @@ class PeerServer:
                     message = pp.decode_to_server(recv_frame(sock)[0])
                 else:
                     message = pp.decode_to_server(conn.transport.next_frame(conn))
+                if identity.name and not self.secret.identify_again(identity):
+                    raise _Refuse(PeerRefusal.AUTH, f"{identity.name!r} was revoked")
+                if identity.router and not isinstance(message, pp.Inventory):
+                    raise _Refuse(PeerRefusal.AUTH, "a router may only read inventories")
                 if isinstance(message, pp.Inventory):
                     self._inventory(sock, message)
                 elif isinstance(message, pp.PostHint):
@@ -255,7 +265,7 @@ class PeerServer:
             sock.close()
 
     def _handshake(self, raw: socket.socket, sock: socket.socket,
-                   owner: OwnerId) -> SourceConnection | None:
+                   owner: OwnerId) -> tuple[SourceConnection | None, Identity]:
         """The peer's connection in its namespace, on the transport both agree on; None for
         an inventory reader. The peer proves it knows the secret before this source says
         anything that depends on it (its own proof goes in Ready)."""
@@ -271,21 +281,30 @@ class PeerServer:
         auth = pp.decode_to_server(recv_frame(sock, limit=limit)[0])
         if not isinstance(auth, pp.Auth):
             raise _Refuse(PeerRefusal.MALFORMED, "expected Auth")
-        if not self.secret.check(b"client", hello.nonce, nonce, auth.mac):
-            raise _Refuse(PeerRefusal.AUTH, "wrong peer secret")
+        identity = self.secret.identify(b"client", auth.node, hello.nonce, nonce, auth.mac)
+        if identity is None:
+            raise _Refuse(PeerRefusal.AUTH, "wrong peer secret" if not auth.node else
+                          f"{printable(auth.node)!r} is not a trusted fleet node (unknown, "
+                          "revoked, or not its key)")
+        if identity.router and auth.namespace:
+            raise _Refuse(PeerRefusal.AUTH, f"router {printable(auth.node)!r} may only read "
+                          "inventories")
         proof = self.secret.prove(b"server", nonce, hello.nonce)
         if not auth.namespace:
             self._admit(raw, sock)
-            sock.sendall(pp.encode(pp.Ready(proof)))
-            return None
+            sock.sendall(pp.encode(pp.Ready(proof, self.secret.name)))
+            return None, identity
         store = self._namespace(auth)
         transport, reach = self._choose(store, auth.transports)
         features = frozenset(auth.features) & frozenset(transport.features)
         self._admit(raw, sock)
-        sock.sendall(pp.encode(pp.Ready(proof, transport.kind, reach, sorted(features))))
+        sock.sendall(pp.encode(pp.Ready(proof, self.secret.name, transport.kind, reach,
+                                        sorted(features))))
         self.metrics.on_connection(transport.kind)
         return SourceConnection(sock, store, owner, transport, store.checksums,
-                                self.metrics, self.io_timeout_s, features)
+                                self.metrics, self.io_timeout_s, features, identity=identity,
+                                origins=self.origins.frame_for(store.digest)
+                                if self.origins is not None else None), identity
 
     def _namespace(self, auth: pp.Auth) -> NamespaceStore:
         if len(auth.namespace) != 16:

@@ -1,6 +1,7 @@
 """`TcpTransport`: block bytes streamed on the peer connection itself (plain TCP or TLS).
 
-Source: leases the found blocks, answers Blocks(seq, found), then sends each found block's
+Source: leases the found blocks, answers Blocks(seq, found) (after their Origins on a fleet
+connection), then sends each found block's
 bytes straight from pool memory followed by its 8-byte xxh3-64, gathered about 1 MiB per
 send (few system calls, few wake-ups of the destination); the lease ends after the last send.
 Destination: receives each block straight into its reserved slot (`recv_into`, no copy),
@@ -34,6 +35,7 @@ class TcpTransport(PeerTransport):
             view, sums, pack = store.pool.view, conn.checksums.of, pp.CHECKSUM.pack
             slots = [s for s in lease.slots if s is not None]
             out: list[bytes | memoryview] = [
+                *conn.origins_frame(fetch.seq, fetch.keys, lease.slots),
                 pp.encode(pp.Blocks(fetch.seq, [s is not None for s in lease.slots]))]
             per_send = max(1, SEND_GROUP_BYTES // store.block_bytes)
             for start in range(0, len(slots), per_send):

@@ -174,9 +174,9 @@ class FakePeerSource:
             assert isinstance(auth, pp.Auth)
             self.late = self.nixl and pp.LATE_CHECKSUMS in auth.features
             proof = self.secret.prove(b"server", nonce, hello.nonce)
-            conn.sendall(pp.encode(pp.Ready(proof, self.transport.kind, self.metadata,
+            conn.sendall(pp.encode(pp.Ready(proof, "", self.transport.kind, self.metadata,
                                             [pp.LATE_CHECKSUMS] if self.late else [])
-                                   if self.transport is not None else pp.Ready(proof)))
+                                   if self.transport is not None else pp.Ready(proof, "")))
             fetch = pp.decode_to_server(recv_frame(conn)[0])
             assert isinstance(fetch, pp.Fetch)
             blocks = [pattern_block(k, self.block_bytes) for k in fetch.keys]
