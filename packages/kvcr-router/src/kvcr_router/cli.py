@@ -6,7 +6,8 @@ Every `serve` flag has a documented default (docs/router.md) and may also come f
 flags (`--trust-request-chat-template`, `--expose-cache-details`) only switch on; a file
 may set them either way.
 Exit codes: 0 ok, 2 usage or configuration error. `serve` runs the front's event loop on
-the main thread until SIGINT/SIGTERM.
+the main thread until SIGINT/SIGTERM, with the GIL switch interval at 1 ms so that threads
+decoding large bodies or tokenizing hold up the loop less (bodies.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from kvcr_router.config import RouterConfig, read_config_file
 from kvcr_router.cost import WEIGHT_PRESETS, CostWeights
 
 log = logging.getLogger("kvcr_router")
+# How long a thread decoding a large body (or tokenizing) may hold the GIL while the event
+# loop waits for it: CPython's 5 ms default adds up over the loop's many turns per request.
+SWITCH_INTERVAL_S = 0.001
 
 _WEIGHT_HELP = {
     "device_w": "credit per block in the worker's engine cache (vLLM KV events)",
@@ -62,7 +66,15 @@ def _serve_parser(sub: Any) -> None:
     for name in ("health_interval_s", "health_timeout_s", "inventory_interval_s",
                  "inventory_timeout_s", "connect_timeout_s", "read_timeout_s"):
         add("--" + name.replace("_", "-"), type=float, help=f"default {rc[name]}")
-    add("--max-body-bytes", type=int, help=f"largest request body (default {rc['max_body_bytes']})")
+    add("--max-body-bytes", type=int,
+        help=f"largest request body; a longer one is refused (413) unread "
+             f"(default {rc['max_body_bytes']})")
+    add("--body-timeout-s", type=float,
+        help=f"the whole request body must arrive within this, else 408 and the connection "
+             f"closes (default {rc['body_timeout_s']})")
+    add("--json-threads", type=int,
+        help=f"threads that decode and encode large request bodies off the event loop "
+             f"(default {rc['json_threads']})")
     add("--max-blocks-per-source", type=int,
         help=f"index bound per worker and tier (default {rc['max_blocks_per_source']})")
     _trust_flags(serve.add_argument_group("trust (docs/router.md \"Trust\")"), rc)
@@ -130,6 +142,7 @@ def serve(config: RouterConfig) -> int:
     from kvcr_router.front import Router
     from kvcr_router.hashing import HfTokenizer, PromptHasher
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     secret = None
     if any(w.peer for w in config.workers):
         secret = (PeerSecret.from_file(config.peer_secret_file) if config.peer_secret_file

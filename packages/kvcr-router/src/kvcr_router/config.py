@@ -108,7 +108,9 @@ class RouterConfig:
     inventory_timeout_s: float = 2.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 300.0  # the longest silence from a worker mid-response
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024  # a longer body is refused (413) before it is read
+    body_timeout_s: float = 10.0  # the whole body arrives within this, or 408 (bodies.py)
+    json_threads: int = 1  # threads that decode and encode large bodies (4 pending per thread)
     max_blocks_per_source: int = 1_000_000
     # Trust: what a client may make the router compute, and who sees what the cache holds.
     trust_request_chat_template: bool = False  # render clients' chat_template(_kwargs)
@@ -135,13 +137,17 @@ class RouterConfig:
                               "give 16 bytes (32 hex digits), or a namespace spec")
         _positive_int("block_size", self.block_size)
         _positive_int("max_body_bytes", self.max_body_bytes)
+        _positive_int("json_threads", self.json_threads)
+        if self.json_threads > MAX_TOKENIZE_THREADS:
+            raise ConfigError("json_threads", self.json_threads,
+                              f"give at most {MAX_TOKENIZE_THREADS} threads")
         _positive_int("max_blocks_per_source", self.max_blocks_per_source)
         self._check_trust()
         if not isinstance(self.listen_port, int) or not 0 <= self.listen_port <= 65535:
             raise ConfigError("listen", self.listen_port, "give a port 0-65535")
         for field in ("health_interval_s", "health_timeout_s", "inventory_interval_s",
                       "inventory_timeout_s", "connect_timeout_s", "read_timeout_s",
-                      "tokenize_timeout_s"):
+                      "tokenize_timeout_s", "body_timeout_s"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or not (
                     math.isfinite(value) and value > 0):

@@ -1,7 +1,9 @@
 """The router's HTTP front: OpenAI-compatible `/v1/completions` and `/v1/chat/completions`
 (streaming too) proxied to the chosen worker, plus `/v1/models`, `/health` and `/metrics`.
 
-Per request: strip client-supplied KV hints and transfer params (hinting.py), hash the
+Per request: read the body within `max_body_bytes` and `body_timeout_s` and decode it, large
+ones on the JSON threads (bodies.py; refusals are 413/408/400/503, counted by reason), strip
+client-supplied KV hints and transfer params (hinting.py), hash the
 prompt in the bounded tokenizing pool (tokenizing.py: a deadline, a bound on pending work,
 clients' own chat templates only if trusted; otherwise the request is routed on load alone,
 counted by reason), choose a worker among the healthy ones with the cost model (cost.py)
@@ -16,8 +18,8 @@ decision for a body, without forwarding it), are given only to requests the gate
 Faults degrade, never hang: a worker that refuses the connection is marked down and the
 request is re-decided among the others (before any byte went to the client); connects are
 bounded by `connect_timeout_s` and silences by `read_timeout_s`; no healthy worker is a 503.
-Threading: one asyncio event loop owns the index, the pool and the metrics; tokenizing and
-inventory reads run on their own threads and hand results back to the loop.
+Threading: one asyncio event loop owns the index, the pool and the metrics; tokenizing, large
+bodies' JSON and inventory reads run on their own threads and hand results back to the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import random
 import time
@@ -40,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvcr_core.peers import InventoryReader, InventorySource, PeerSecret
 from kvcr_router.access import CacheDetailsGate
+from kvcr_router.bodies import BodyRefused, JsonCodec, read_body
 from kvcr_router.config import RouterConfig, WorkerSpec
 from kvcr_router.cost import Decision, choose
 from kvcr_router.feeds import InventoryFeed, KvEventsFeed, VllmEventTranslator
@@ -96,6 +98,7 @@ class Router:
             max_pending=config.tokenize_pending_bound,
             max_prompt_chars=config.max_prompt_chars,
             trust_request_chat_template=config.trust_request_chat_template)
+        self.json = JsonCodec(threads=config.json_threads, max_pending=4 * config.json_threads)
         self.inventory = {w.name: InventoryFeed(
             w.name, config.namespace_digest, _bind(new_reader, w), self.indexer, self.metrics,
             self._feed_executor, config.inventory_interval_s) for w in peers if new_reader}
@@ -151,6 +154,7 @@ class Router:
         await self._session.close()
         self._feed_executor.shutdown(wait=False, cancel_futures=True)
         self.tokenize.close()
+        self.json.close()
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -190,9 +194,10 @@ class Router:
         if request.method != "POST":
             raise web.HTTPMethodNotAllowed(request.method, ["POST"])
         route: PromptKind = "chat" if request.match_info["route"] == "chat" else "completions"
-        body = await _json_object(request)
-        if body is None:
-            return _error(400, "the body must be a JSON object")
+        taken = await self._body(request)
+        if isinstance(taken, web.Response):
+            return taken
+        body, _ = taken
         strip_client_hints(body)
         hashed = await self.tokenize.hash(route, body)
         names = self.pool.routable()
@@ -210,10 +215,11 @@ class Router:
 
     async def _proxy(self, request: web.Request, route: PromptKind,
                      path: str) -> web.StreamResponse:
-        body = await _json_object(request)
-        if body is None:
+        taken = await self._body(request)
+        if isinstance(taken, web.Response):
             self.metrics.requests.labels(route, "bad_request").inc()
-            return _error(400, "the body must be a JSON object")
+            return taken
+        body, size = taken
         for field in strip_client_hints(body):
             self.metrics.stripped.labels(field).inc()
         started = time.perf_counter()
@@ -240,13 +246,36 @@ class Router:
             self.metrics.decisions.labels(decision.worker).inc()
             shown = {"x-kvcr-worker": decision.worker,
                      "x-kvcr-hint-blocks": str(hint_blocks)} if details else {}
+            payload = await self.json.dumps(out, size)
             try:
-                return await self._forward(request, route, path, decision.worker, out,
+                return await self._forward(request, route, path, decision.worker, payload,
                                            blocks, shown)
             except _Unreachable as exc:
                 if exc.down or decision.worker in dropped:
                     tried.add(decision.worker)
                 dropped.add(decision.worker)
+
+    async def _body(self, request: web.Request) -> tuple[dict[str, Any], int] | web.Response:
+        """The body as a JSON object and its size in bytes, or the answer that refuses it
+        (counted by reason; the connection closes where the rest was never read)."""
+        try:
+            raw = await read_body(request, self.config.max_body_bytes,
+                                  self.config.body_timeout_s)
+            body = await self.json.loads(raw)
+            if not isinstance(body, dict):
+                raise BodyRefused("bad_json", "the body must be a JSON object")
+            return body, len(raw)
+        except BodyRefused as exc:
+            self.metrics.bodies_refused.labels(exc.reason).inc()
+            if not exc.close:
+                return _error(exc.status, str(exc))
+            log.debug("refused a request body from %s: %s", request.remote, exc)
+            resp = _error(exc.status, str(exc))
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            request.protocol.force_close()  # flushes the answer, then drops the unread rest
+            return resp
 
     def _hint(self, decision: Decision, hashes: list[int], request_id: str,
               body: dict[str, Any]) -> int:
@@ -269,7 +298,7 @@ class Router:
         return 0
 
     async def _forward(self, request: web.Request, route: PromptKind, path: str, name: str,
-                       body: dict[str, Any], blocks: int,
+                       payload: bytes, blocks: int,
                        shown: dict[str, str]) -> web.StreamResponse:
         assert self._session is not None
         spec = self.pool.workers[name].spec
@@ -279,7 +308,7 @@ class Router:
         self.pool.begin(name, blocks)
         try:
             try:
-                upstream = await self._session.post(spec.url + path, data=json.dumps(body),
+                upstream = await self._session.post(spec.url + path, data=payload,
                                                     headers=headers, timeout=timeout)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connect"
@@ -336,14 +365,6 @@ def _bind(new_reader: Callable[[WorkerSpec], InventorySource] | None,
           spec: WorkerSpec) -> Callable[[], InventorySource]:
     assert new_reader is not None
     return lambda: new_reader(spec)
-
-
-async def _json_object(request: web.Request) -> dict[str, Any] | None:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:

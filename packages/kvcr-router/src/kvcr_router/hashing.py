@@ -112,6 +112,8 @@ class PromptHasher:
 
     def _completion(self, body: Mapping[str, Any], max_chars: int) -> list[int] | None:
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKENS:
+            raise PromptTooLarge(f"{len(prompt)} prompt items")  # before looking at each
         if isinstance(prompt, list) and prompt and not _is_token_list(prompt):
             prompt = prompt[0]  # a batch: route by its first prompt
         if isinstance(prompt, list) and _is_token_list(prompt):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvcr_router.bodies import BODY_REFUSALS
 from kvcr_router.hinting import HINT_FIELDS, field_label
 from kvcr_router.tokenizing import UNHASHED_REASONS
 
@@ -48,6 +49,10 @@ class RouterMetrics:
         self.unhashed = Counter("kvcr_router_unhashed_total",
                                 "Requests routed on load alone because their prompt was not "
                                 "hashed, by reason", ["reason"], registry=registry)
+        self.bodies_refused = Counter("kvcr_router_bodies_refused_total",
+                                      "Request bodies refused before routing, by reason: "
+                                      "too_large (413), deadline (408), bad_json (400), busy "
+                                      "(503)", ["reason"], registry=registry)
         self.healthy = Gauge("kvcr_router_worker_healthy", "1 if the worker passes health checks",
                              ["worker"], registry=registry)
         self.active = Gauge("kvcr_router_worker_active_requests",
@@ -71,6 +76,8 @@ class RouterMetrics:
             self.stripped.labels(field_label(container, key))
         for reason in UNHASHED_REASONS:
             self.unhashed.labels(reason)
+        for reason in BODY_REFUSALS:
+            self.bodies_refused.labels(reason)
         for worker in workers:
             self.decisions.labels(worker)
             self.healthy.labels(worker).set(0)
