@@ -1,6 +1,8 @@
 """A misbehaving client of kvcr-guard, for `kvcr bench guard --under-attack`:
-`python -m kvcr_bench.attacker MODE SOCKET PEER_HOST PEER_PORT` misbehaves as MODE says until
-it is killed. Each mode is one way the trust boundary is attacked (docs/guard.md):
+`python -m kvcr_bench.attacker MODE SOCKET PEER_HOST PEER_PORT [ARG]` misbehaves as MODE says
+until it is stopped (SIGTERM: it prints what it got as one JSON line, `{}` for modes that
+report nothing). Each mode is one way the trust boundary is attacked (docs/guard.md); the
+bench runs some of them as another uid (kvcr_core.testing.uids):
 
 hints      attached, posts the largest KV hints the protocol takes, back to back
 keys       attached, requests of as many keys as a frame holds (lookups, reserves, leases)
@@ -11,6 +13,13 @@ tenant     says Hello with another tenant's namespace, again and again
 fd         attached, keeps the pool fd and tries to shrink, grow and reseal it
 scribble   attached, writes over the pool (committed blocks included) as fast as it can
 peer       floods the peer port with connections that never authenticate
+capture    opens as many junk namespaces as its uid may (reserving every slot of each) and
+           keeps asking for more; ARG: the daemon's uid, which it trusts
+foreign-flood  keeps the socket flooded with connections that never say Hello (run as a uid
+           the daemon does not allow)
+fake-server    binds SOCKET (a path the engine might be pointed at) and reads what comes
+punch      attached to the engine's own namespace, punches every page out of the pool memfd
+           (madvise MADV_REMOVE), again and again
 """
 
 from __future__ import annotations
@@ -18,15 +27,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import json
 import mmap
 import os
 import random
+import signal
 import socket
 import sys
 import time
 from collections.abc import Callable
 
+from kvcr_core.attach import AttachClient, RunnerError
 from kvcr_core.attach import protocol as p
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.testing import random_keys
@@ -35,6 +47,8 @@ SPEC = NamespaceSpec(model_id="kvcr-bench", dtype="float32", kv_dtype="float32",
                      block_size_tokens=16, num_layers=1, num_kv_heads=1, head_dim=128,
                      layout="bench", extra={"block_bytes": "4096"})
 BLOCK = 4096
+REPORT: dict[str, int] = {}
+"""What the running mode got so far: printed as one JSON line when it is stopped."""
 
 
 def _attach(path: str, spec: NamespaceSpec = SPEC) -> tuple[socket.socket, int, p.Welcome]:
@@ -155,14 +169,95 @@ def peer(host: str, port: int) -> None:
             held.pop(0).close()
 
 
+def capture(path: str, runner_uid: str) -> None:
+    held: list[AttachClient] = []
+    REPORT.update(opened=0, refused=0)
+    for n in itertools.count():
+        me = AttachClient(path, dataclasses.replace(SPEC, tenant=f"junk-{n}"), BLOCK,
+                          identity="capture", runner_uids=frozenset({int(runner_uid)}))
+        try:
+            me.attach()
+            me.reserve(random_keys(me.stats().capacity_slots, seed=n))  # never committed
+            held.append(me)
+        except RunnerError:
+            me.close()
+            REPORT["refused"] += 1
+            time.sleep(0.01)  # and asks again: room may have come back
+        REPORT["opened"] = len(held)
+
+
+def foreign_flood(path: str) -> None:
+    held: list[socket.socket] = []
+    REPORT.update(connections=0)
+    while True:
+        held[:] = [s for s in held if _open(s)]
+        while len(held) < 400:
+            sock = socket.socket(socket.AF_UNIX)
+            sock.setblocking(False)
+            try:
+                sock.connect(path)
+            except OSError:
+                sock.close()
+                break  # the backlog is full: that is the point
+            held.append(sock)
+            REPORT["connections"] += 1
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the daemon has not closed `sock` (closes it here if it has)."""
+    try:
+        if sock.recv(4096):
+            return True
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    sock.close()
+    return False
+
+
+def fake_server(path: str) -> None:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    os.chmod(path, 0o777)
+    listener.listen(16)
+    REPORT.update(connections=0, received_bytes=0)
+    while True:
+        conn, _ = listener.accept()
+        REPORT["connections"] += 1
+        conn.settimeout(2)
+        with contextlib.suppress(OSError), conn:
+            while chunk := conn.recv(65536):
+                REPORT["received_bytes"] += len(chunk)
+
+
+def punch(path: str) -> None:
+    _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
+    REPORT.update(punches=0)
+    with mmap.mmap(pool_fd, welcome.pools[0].region_bytes) as mapped:
+        while True:
+            mapped.madvise(mmap.MADV_REMOVE)
+            REPORT["punches"] += 1
+            time.sleep(0.001)
+
+
 MODES = {"hints": hints, "keys": keys, "squat": squat, "malformed": malformed, "idle": idle,
-         "tenant": tenant, "fd": fd, "scribble": scribble}
+         "tenant": tenant, "fd": fd, "scribble": scribble, "foreign-flood": foreign_flood,
+         "fake-server": fake_server, "punch": punch}
+
+
+def _stopped(signum: int, frame: object) -> None:
+    print(json.dumps(REPORT), flush=True)
+    os._exit(0)
 
 
 def main() -> None:
-    mode, path, host, port = sys.argv[1:5]
+    signal.signal(signal.SIGTERM, _stopped)
+    mode, path, host, port, *arg = sys.argv[1:]
     if mode == "peer":
         peer(host, int(port))
+    elif mode == "capture":
+        capture(path, arg[0])
     else:
         MODES[mode](path)
 

@@ -1,0 +1,130 @@
+"""The legitimate engine of `kvcr bench guard --under-attack` (kvcr_bench.guard_attack): it
+does what a vLLM scheduler and its worker do every step, timing each round trip to
+kvcr-guard, and checks what it loads.
+
+Each step is one request: a lookup of its 64 keys; every tenth (from the 10th) a reserve +
+commit of 8 fresh blocks; every tenth (from the 5th) a load: a lease on its 64 keys, whose
+blocks it reads back (a block that reads as zeros while its checksum says otherwise is counted:
+the pool's pages were punched out under it), then released, and what the Runner dropped
+stored again, untimed (an engine recomputes it). `first_path`: a socket it is pointed at
+first (it must refuse it before saying anything); then it goes to the real one.
+
+Threading: one thread, one connection, like a scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvcr_bench.attacker import BLOCK, SPEC
+from kvcr_core.attach import AttachClient, RunnerError
+from kvcr_core.attach import protocol as p
+from kvcr_core.checksums import block_checksum
+from kvcr_core.index import Lease
+from kvcr_core.testing import pattern_block, random_keys
+
+_ZERO_BLOCK = bytes(BLOCK)
+
+
+@dataclasses.dataclass
+class EngineRun:
+    """What the engine saw in one case."""
+
+    samples_s: list[float] = dataclasses.field(default_factory=list)
+    asked_blocks: int = 0  # reserved for a store
+    stored_blocks: int = 0  # granted and committed
+    loaded_blocks: int = 0
+    zero_blocks: int = 0  # loaded, read back as zeros: never acceptable
+    intact: bool = True  # its blocks matched their committed checksums at the end
+    refused: str = ""  # the reason it refused `first_path` ("": not pointed at one)
+    refuse_ms: float = 0.0
+
+
+class BenchEngine:
+    def __init__(self, path: str, seed: int, first_path: str | None = None) -> None:
+        self.path, self.seed = path, seed
+        self.client = AttachClient(first_path or path, SPEC, BLOCK, identity="legit engine")
+        self.keys = random_keys(64, seed=seed)
+        self.blocks = {k: pattern_block(k, BLOCK) for k in self.keys}
+        self.run = EngineRun()
+        if first_path is not None:
+            self._refuse_first()
+        self.client.store(self.keys, [self.blocks[k] for k in self.keys])
+
+    def _refuse_first(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.client.lookup(self.keys[:1])
+            self.run.refused = "not refused"
+        except RunnerError as exc:
+            self.run.refused = exc.reason
+        self.run.refuse_ms = (time.perf_counter() - start) * 1000
+        self.client.retarget(self.path)
+
+    def steps(self, seconds: float) -> EngineRun:
+        lookup = [p.Lookup(list(self.keys))]
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            if i % 10 == 0:
+                self._store_fresh(i)
+            elif i % 10 == 5:
+                self._load()
+            else:
+                start = time.perf_counter()
+                self.client.batch(lookup)
+                self.run.samples_s.append(time.perf_counter() - start)
+        self.run.intact = self._intact()
+        self.client.close()
+        return self.run
+
+    def _store_fresh(self, i: int) -> None:
+        fresh = random_keys(8, seed=self.seed * 100_000 + i)
+        start = time.perf_counter()
+        res = self.client.reserve(fresh)
+        view = self.client.pool().view
+        sums = []
+        for key, slot in zip(fresh, res.slots, strict=True):
+            if slot is not None:
+                view(slot)[:] = pattern_block(key, BLOCK)
+                sums.append(block_checksum(view(slot)))
+        self.client.commit(res.op, checksums=sums)
+        self.run.samples_s.append(time.perf_counter() - start)
+        self.run.asked_blocks += len(fresh)
+        self.run.stored_blocks += res.granted
+
+    def _load(self) -> None:
+        start = time.perf_counter()
+        lease = self.client.acquire(self.keys, prefix_only=False, checksums=True)
+        self.run.samples_s.append(time.perf_counter() - start)
+        self._read(lease)
+        self.client.release(lease.op)
+        dropped = [k for k, s in zip(self.keys, lease.slots, strict=True) if s is None]
+        if dropped:  # evicted, or dropped as corrupt: recomputed and stored again
+            self.client.store(dropped, [self.blocks[k] for k in dropped])
+
+    def _read(self, lease: Lease) -> None:
+        view = self.client.pool().view
+        for slot in lease.slots:
+            if slot is not None:
+                self.run.loaded_blocks += 1
+                self.run.zero_blocks += bytes(view(slot)) == _ZERO_BLOCK
+
+    def _intact(self) -> bool:
+        """Whether its blocks still match their committed checksums (a scribbler may have hit
+        them: then a verified load refuses them)."""
+        lease = self.client.acquire(self.keys, prefix_only=False, checksums=True)
+        view = self.client.pool().view
+        held = [s for s in lease.slots if s is not None]  # the rest were evicted or dropped
+        intact = all(block_checksum(view(s)) == c
+                     for s, c in zip(held, lease.checksums, strict=True))
+        self.client.release(lease.op)
+        return intact
+
+
+def engine_round_trips(path: str, seconds: float, seed: int,
+                       first_path: str | None = None) -> EngineRun:
+    return BenchEngine(path, seed, first_path).steps(seconds)
+
