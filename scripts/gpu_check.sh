@@ -60,7 +60,7 @@ try:
     ok = not any(c.tag in ("failure", "error", "skipped") for c in case)
 except (OSError, ET.ParseError, StopIteration):
     ok = False
-print("runs,gather,direct,auto" if ok else "runs,gather,auto")
+print("runs,gather,direct,pairs,auto" if ok else "runs,gather,pairs,auto")
 EOF
 )
 timeout 240 "$py" -m kvcr_bench.device_copy --device cuda --strategies "$strategies" \

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
                 "(scripts/gpu_check.sh runs these tests on a GPU machine)",
                 allow_module_level=True)
 
-from kvcr_core.copyengine import PoolBinding, block_pairs  # noqa: E402
+from kvcr_core.copyengine import PoolBinding, block_pairs, copy_blocks  # noqa: E402
 from kvcr_core.cudacopy import CudaCopyEngine  # noqa: E402
 from kvcr_core.cudart import Libcudart  # noqa: E402
 from kvcr_core.memory import SlotPool  # noqa: E402
@@ -174,19 +174,19 @@ def test_a_failed_strided_copy_is_cleared_before_the_next_kernel() -> None:
 
 
 def test_gathers_of_several_layerwise_calls_land_byte_exactly() -> None:
-    """One layer's two planes of two saves per call, as vLLM's save_kv_layer hands them over:
-    merged into one gather per layer, each slot holds every layer's pages after all calls."""
+    """One layer's two planes of two saves per call, as vLLM's save_kv_layer hands them over
+    (pairs for the first layer, whole calls through `copy_blocks` for the second): merged into
+    one gather per layer, each slot holds every layer's pages after all calls."""
     pool = SlotPool.create(BLOCKS, PLANES * PAGE)
     engine = CudaCopyEngine(DEVICE, strategy="gather")
     flat = engine.pin_pool(pool.region)
     rows, planes = rows_of(pool, flat), gpu_planes(4)
     saves = [((9, 2, 30), (4, 40, 7)), ((11, 12), (41, 42))]
-    for layer in range(PLANES // 2):
-        pairs = []
-        for blocks, slots in saves:
-            pairs += block_pairs(planes[2 * layer:2 * layer + 2], rows, blocks, slots,
-                                 into_pool=True)
-        engine.copy(pairs)
+    pairs = []
+    for blocks, slots in saves:
+        pairs += block_pairs(planes[:2], rows, blocks, slots, into_pool=True)
+    engine.copy(pairs)
+    copy_blocks(engine, planes[2:], rows, saves, into_pool=True)
     engine.record().wait()
     assert engine.strategy_counts["gather"] == PLANES // 2
     for blocks, slots in saves:

@@ -16,7 +16,13 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the copy engines move torch tensors")
 
-from kvcr_core.copyengine import CpuCopyEngine, Gather, batch_copies, block_pairs  # noqa: E402
+from kvcr_core.copyengine import (  # noqa: E402
+    CpuCopyEngine,
+    Gather,
+    batch_copies,
+    block_pairs,
+    copy_blocks,
+)
 from kvcr_core.cudacopy import choose, gather_copy  # noqa: E402
 from kvcr_core.cudart import CudaRuntime, PoolPins  # noqa: E402
 from kvcr_core.memory import SlotPool  # noqa: E402
@@ -55,7 +61,8 @@ def test_whole_calls_sharing_planes_and_rows_merge_into_one_gather_in_slot_order
     g = items[0]
     assert isinstance(g, Gather)
     assert (g.slots, g.block_ids) == ([0, 1, 5, 6], [30, 2, 7, 8])
-    assert (g.offset, g.span, len(g.pairs)) == (0, PLANES * PAGE, len(first) + len(second))
+    assert (g.offset, g.span, g.copies) == (0, PLANES * PAGE, len(first) + len(second))
+    assert g.pairs() == first + second
     assert list(g.slot_runs(0, 4)) == [(0, 0, 2), (2, 5, 2)]
     assert list(g.slot_runs(1, 3)) == [(1, 1, 1), (2, 5, 1)]
 
@@ -144,6 +151,23 @@ def test_gathered_copies_match_the_cpu_engines_bytes() -> None:
     ids = torch.tensor(g.block_ids + g.slots)
     gather_copy(g, [torch.empty(1 << 16, dtype=torch.uint8)], ids[:5], ids[5:], dma)
     assert bytes(by_runs.region.view) == bytes(gathered.region.view)
+
+
+@pytest.mark.unit
+def test_copy_blocks_through_an_engine_without_it_copies_every_group_or_none() -> None:
+    """`copy_blocks` on an engine that takes pairs only (the CPU engine): every group's
+    blocks land, as `block_pairs` would copy them; a group out of range raises before any
+    group is copied."""
+    pool = SlotPool.create(16, PLANES * PAGE)
+    rows, planes = rows_of(pool), planes_of(7)
+    copy_blocks(CpuCopyEngine(), planes, rows, [((3, 4), (9, 10)), ((8,), (2,))],
+                into_pool=True)
+    for block, slot in ((3, 9), (4, 10), (8, 2)):
+        assert bytes(pool.view(slot)) == b"".join(bytes(p[block].numpy()) for p, _, _ in planes)
+    with pytest.raises(ValueError, match="slots"):
+        copy_blocks(CpuCopyEngine(), planes, rows, [((1,), (0,)), ((2,), (16,))],
+                    into_pool=True)
+    assert bytes(pool.view(0)) == bytes(pool.slot_bytes)
 
 
 @pytest.mark.unit
@@ -315,12 +339,14 @@ def cuda_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize("strategy", ["runs", "gather", "direct", "auto"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["paged", "layerwise"])
+@pytest.mark.parametrize("entry", ["pairs", "blocks"])
 def test_the_cuda_engine_issues_each_strategy_byte_exactly(
-        cuda_stand_ins: None, strategy: str, layerwise: bool) -> None:
-    """The CUDA engine's own path from `copy` to its strategy, with stand-in streams: two
-    saves per call (merged), one call per layer or one for all, scattered blocks and slots
-    in descending order, staging halves of 3 blocks; every slot then holds its block, a load
-    brings every block back, and the strategy taken is counted."""
+        cuda_stand_ins: None, strategy: str, layerwise: bool, entry: str) -> None:
+    """The CUDA engine's own path from `copy` (pairs) or `copy_blocks` (whole calls) to its
+    strategy, with stand-in streams: two saves per call (merged), one call per layer or one
+    for all, scattered blocks and slots in descending order, staging halves of 3 blocks;
+    every slot then holds its block, a load brings every block back, and the strategy taken
+    is counted."""
     from kvcr_core.cudacopy import CudaCopyEngine
 
     engine = CudaCopyEngine("cpu", use_memcpy2d=False, strategy=strategy,
@@ -332,9 +358,14 @@ def test_the_cuda_engine_issues_each_strategy_byte_exactly(
     planes, back = planes_of(6), [(torch.zeros_like(p), o, n) for p, o, n in planes_of(6)]
     blocks, slots = [b + b // 3 for b in range(24)], [2 * s for s in range(24)][::-1]
     calls = [(i, i + 2) for i in range(0, PLANES, 2)] if layerwise else [(0, PLANES)]
+    saves = [(blocks[:10], slots[:10]), (blocks[10:], slots[10:])]
     for lo, hi in calls:
-        engine.copy(block_pairs(planes[lo:hi], rows, blocks[:10], slots[:10], into_pool=True)
-                    + block_pairs(planes[lo:hi], rows, blocks[10:], slots[10:], into_pool=True))
+        if entry == "blocks":
+            copy_blocks(engine, planes[lo:hi], rows, saves, into_pool=True)
+            copy_blocks(engine, back[lo:hi], rows, [(range(24), slots)], into_pool=False)
+            continue
+        engine.copy([p for b, s in saves
+                     for p in block_pairs(planes[lo:hi], rows, b, s, into_pool=True)])
         engine.copy(block_pairs(back[lo:hi], rows, list(range(24)), slots, into_pool=False))
     engine.record().wait()
     for block, slot in zip(blocks, slots, strict=True):

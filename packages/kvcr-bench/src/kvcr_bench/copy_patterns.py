@@ -10,7 +10,9 @@ bytes measured in the same run, interleaved.
   vLLM's loads, and its saves where a step ran without layer hooks) and `layerwise` (the
   same planes, one call per layer of its two planes: vLLM's `save_kv_layer`, SGLang's loads).
 - Strategies (CUDA engine): each of `runs`, `gather` and `direct` forced, and `auto`, the
-  engine's own choice (what an engine gets); the CPU engine copies run by run only.
+  engine's own choice, all through `copy_blocks` (no pair planned unless a call goes run by
+  run); `pairs` is `auto` through `engine.copy(block_pairs(...))`, for callers that still
+  plan pairs (a few microseconds of Python each). The CPU engine copies run by run only.
 - Each strategy's bytes are checked in both directions on a sample of blocks (their pool
   bytes zeroed, or their KV pages, before the copy that must restore them).
 """
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvcr_core.copyengine import CopyEngine, block_pairs
+from kvcr_core.copyengine import CopyEngine, block_pairs, copy_blocks
 from kvcr_core.cudacopy import CudaCopyEngine
 from kvcr_core.memory import SlotPool
 
@@ -85,11 +87,17 @@ class Row:
                                       into_pool=True))
 
     def run(self, strategy: str, into_pool: bool) -> None:
+        """One save or load with `strategy` through `copy_blocks`; `pairs`: `auto` through
+        `engine.copy(block_pairs(...))`, as callers that plan pairs themselves get it."""
         if isinstance(self.engine, CudaCopyEngine):
-            self.engine.strategy = strategy
+            self.engine.strategy = "auto" if strategy == "pairs" else strategy
         for planes in self.calls:
-            self.engine.copy(block_pairs(planes, self.rows, self.blocks, self.slots,
-                                         into_pool=into_pool))
+            if strategy == "pairs":
+                self.engine.copy(block_pairs(planes, self.rows, self.blocks, self.slots,
+                                             into_pool=into_pool))
+            else:
+                copy_blocks(self.engine, planes, self.rows, [(self.blocks, self.slots)],
+                            into_pool=into_pool)
         self.engine.record().wait()
 
     def check(self, strategy: str) -> bool:
@@ -128,7 +136,7 @@ def measure_row(row: Row, strategies: list[str], baseline: Mapping[str, Callable
                   "load_ratio": med["load_base"] / med[f"load_{s}"],
                   "checked": row.check(s)}
     kvcr = per[strategies[-1]]  # auto (the CPU engine's only strategy: runs)
-    forced = [s for s in strategies if s != "auto"] or strategies
+    forced = [s for s in strategies if s not in ("auto", "pairs")] or strategies
     return {"layout": row.layout, "planes": len(row.planes),
             "page_bytes": row.planes[0][2], "blocks": len(row.blocks),
             "copies_run_by_run": row.copies, "strategies": per,

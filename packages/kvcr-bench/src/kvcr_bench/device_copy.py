@@ -6,7 +6,8 @@ the same run, both directions (save: KV -> pool, load: pool -> KV).
   and 64 (scattered slots likewise); layouts `whole` (a block is one page), `paged` (32 KiB
   pages of per-layer planes, one call) and `layerwise` (one call per layer). On CUDA each of
   the engine's strategies (`runs`, `gather`, `direct`) is timed forced, and `auto`, the
-  engine's own choice, is kvcr's number; on CPU the engine copies run by run.
+  engine's own choice through `copy_blocks`, is kvcr's number (`pairs`: the same through
+  `engine.copy(block_pairs(...))`); on CPU the engine copies run by run.
 - Baseline: one `copy_` of all those bytes between a contiguous device tensor and a pinned
   host tensor (`--device cuda`: one cudaMemcpyAsync from torch's own pinned allocator), or
   between two host tensors (`--device cpu`: one memcpy; torch on one thread for both, as
@@ -38,7 +39,7 @@ from kvcr_core.memory import SlotPool
 BLOCK_SIZES = (256 * KIB, 2 * MIB)
 RUNS = (1, 4, 16, 64)
 LAYOUTS = ("whole", "paged", "layerwise")
-CUDA_STRATEGIES = ("runs", "gather", "direct", "auto")
+CUDA_STRATEGIES = ("runs", "gather", "direct", "pairs", "auto")
 TARGETS = {"min_save_ratio": (">=", 0.9), "min_load_ratio": (">=", 0.9),
            "longest_prefaulted_chunk_register_s": ("<=", 0.1)}
 
@@ -91,6 +92,10 @@ def _summary(rows: list[dict[str, Any]], pins: dict[str, Any] | None) -> dict[st
                                   - r["save_ratio"],
                                   r["strategies"][r["best_load"]]["load_ratio"]
                                   - r["load_ratio"]) for r in rows)}
+    if all("pairs" in r["strategies"] for r in rows):
+        summary["min_ratio_pairs"] = min(min(r["strategies"]["pairs"]["save_ratio"],
+                                             r["strategies"]["pairs"]["load_ratio"])
+                                         for r in rows)
     for layout in LAYOUTS:
         mine = [r for r in rows if r["layout"] == layout]
         summary[f"min_ratio_{layout}"] = min(min(r["save_ratio"], r["load_ratio"])

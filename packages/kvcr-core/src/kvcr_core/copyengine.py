@@ -140,16 +140,39 @@ def runs(block_ids: Sequence[int], slots: Sequence[int]) -> Iterator[tuple[int, 
 
 
 class BlockCopy:
-    """One `block_pairs` call: what its pairs copy, as one batch (pairs refer to it; it does
-    not refer to them, so no cycle keeps a pool view alive)."""
+    """One call's worth of copies: blocks to (or from) slots over the given planes and pool
+    rows, checked once (ValueError for a block or slot out of range, before anything is
+    copied). `pairs()` plans them run by run; an engine that takes whole calls (`copy_blocks`)
+    may plan them its own way. `pairs()`' pairs refer to their call; it does not refer to
+    them, so no cycle keeps a pool view alive."""
 
-    __slots__ = ("block_ids", "count", "into_pool", "planes", "rows", "slots")
+    __slots__ = ("block_ids", "count", "into_pool", "planes", "rows", "runs", "slots")
 
     def __init__(self, planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence[int],
                  slots: Sequence[int], into_pool: bool) -> None:
+        num_blocks = planes[0][0].shape[0] if planes else 0
+        if any(not 0 <= b < num_blocks for b in block_ids):
+            raise ValueError(f"block ids {list(block_ids)} outside the KV cache's {num_blocks}")
+        if any(not 0 <= s < rows.shape[0] for s in slots):
+            raise ValueError(f"slots {list(slots)} outside the pool's {rows.shape[0]}")
         self.planes, self.rows, self.into_pool = list(planes), rows, into_pool
         self.block_ids, self.slots = list(block_ids), list(slots)
-        self.count = 0
+        self.runs = list(runs(block_ids, slots))
+        self.count = len(self.runs) * len(planes)  # copies run by run
+
+    def pairs(self) -> list[Pair]:
+        """One (destination, source) pair per run and plane: the run's pages of the plane
+        and the same bytes of its slots."""
+        columns = [(plane, self.rows[:, offset:offset + page])
+                   for plane, offset, page in self.planes]
+        pairs: list[Pair] = []
+        for block, slot, n in self.runs:
+            for plane, column in columns:
+                kv, pool = plane[block:block + n], column[slot:slot + n]
+                pair = RunPair((pool, kv) if self.into_pool else (kv, pool))
+                pair.batch = self
+                pairs.append(pair)
+        return pairs
 
 
 class RunPair(tuple["torch.Tensor", "torch.Tensor"]):
@@ -163,28 +186,29 @@ def block_pairs(planes: Sequence[Plane], rows: torch.Tensor, block_ids: Sequence
     """One (destination, source) pair per run and plane: the run's pages of the plane and
     the same bytes of its slots (`rows`: the pool as [slots, stride bytes]). Raises
     ValueError for a block or slot out of range, before anything is copied."""
-    num_blocks = planes[0][0].shape[0] if planes else 0
-    if any(not 0 <= b < num_blocks for b in block_ids):
-        raise ValueError(f"block ids {list(block_ids)} outside the KV cache's {num_blocks}")
-    if any(not 0 <= s < rows.shape[0] for s in slots):
-        raise ValueError(f"slots {list(slots)} outside the pool's {rows.shape[0]}")
-    batch = BlockCopy(planes, rows, block_ids, slots, into_pool)
-    pairs: list[Pair] = []
-    for block, slot, n in runs(block_ids, slots):
-        for plane, offset, page in planes:
-            kv, pool = plane[block:block + n], rows[slot:slot + n, offset:offset + page]
-            pair = RunPair((pool, kv) if into_pool else (kv, pool))
-            pair.batch = batch
-            pairs.append(pair)
-    batch.count = len(pairs)
-    return pairs
+    return BlockCopy(planes, rows, block_ids, slots, into_pool).pairs()
+
+
+def copy_blocks(engine: CopyEngine, planes: Sequence[Plane], rows: torch.Tensor,
+                groups: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                into_pool: bool) -> None:
+    """`engine.copy` of every (block ids, slots) group's `block_pairs`, as one engine call,
+    without planning pairs where the engine takes whole calls (`copy_blocks`: the CUDA
+    engine gathers them; planning a pair costs microseconds of Python, a 32 KiB page's DMA
+    under one). Raises ValueError for a group out of range before anything is issued."""
+    calls = [BlockCopy(planes, rows, b, s, into_pool) for b, s in groups]
+    whole: Callable[[list[BlockCopy]], None] | None = getattr(engine, "copy_blocks", None)
+    if whole is not None:
+        whole(calls)
+    else:
+        engine.copy([pair for call in calls for pair in call.pairs()])
 
 
 @dataclass
 class Gather:
-    """The blocks of complete `block_pairs` calls that share planes (back to back in a slot
-    from `offset`, `span` bytes together), pool rows and direction, in slot order; `pairs`
-    are the same copies run by run."""
+    """The blocks of whole calls that share planes (back to back in a slot from `offset`,
+    `span` bytes together), pool rows and direction, in slot order; `calls` are those calls
+    (`given`: their pairs, where the caller planned them already)."""
 
     planes: list[Plane]
     rows: torch.Tensor
@@ -193,7 +217,19 @@ class Gather:
     slots: list[int]
     offset: int
     span: int
-    pairs: list[Pair]
+    calls: list[BlockCopy]
+    given: list[Pair] | None = None
+
+    @property
+    def copies(self) -> int:
+        """Copies run by run."""
+        return sum(call.count for call in self.calls)
+
+    def pairs(self) -> list[Pair]:
+        """The same copies run by run."""
+        if self.given is not None:
+            return self.given
+        return [pair for call in self.calls for pair in call.pairs()]
 
     def slot_runs(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
         """(index, first slot, length) of runs of consecutive slots in [start, stop)."""
@@ -214,60 +250,77 @@ def _span(planes: Sequence[Plane]) -> tuple[int, int] | None:
     return ordered[0][0], ordered[-1][0] + ordered[-1][1] - ordered[0][0]
 
 
-def _key(batch: BlockCopy) -> tuple[object, ...]:
-    r = batch.rows
-    return (batch.into_pool, r.data_ptr(), tuple(r.shape), tuple(r.stride()),
+def _key(call: BlockCopy) -> tuple[object, ...]:
+    r = call.rows
+    return (call.into_pool, r.data_ptr(), tuple(r.shape), tuple(r.stride()),
             tuple((p.data_ptr(), tuple(p.shape), tuple(p.stride()), o, n)
-                  for p, o, n in batch.planes))
+                  for p, o, n in call.planes))
 
 
-def batch_copies(pairs: Sequence[Pair]) -> list[Gather | Pair]:
-    """`pairs` as gathers where whole `block_pairs` calls are there (merged when they share
-    planes, rows and direction) and their blocks and slots are distinct; every other pair
-    as it is. In order of first appearance."""
-    seen: dict[int, list[Pair]] = {}
-    for pair in pairs:
-        batch = getattr(pair, "batch", None)
-        if batch is not None:
-            seen.setdefault(id(batch), []).append(pair)
-    items: list[Gather | Pair] = []
+def gathers(items: Sequence[BlockCopy | Pair], given: dict[int, list[Pair]] | None = None
+            ) -> list[Gather | BlockCopy | Pair]:
+    """Whole calls merged into gathers where they share planes, rows and direction, in order
+    of first appearance, pairs as they are; a call whose planes leave gaps in a slot stays
+    as it is, and a gather whose blocks or slots repeat goes back to its calls (order
+    matters there, and runs keep it). `given`: pairs already planned, by id of their call."""
+    out: list[Gather | BlockCopy | Pair] = []
     merged: dict[tuple[object, ...], Gather] = {}
-    done: set[int] = set()
-    for pair in pairs:
-        call: BlockCopy | None = getattr(pair, "batch", None)
-        mine = seen.get(id(call), [])
-        span = _span(call.planes) if call is not None else None
-        if call is None or span is None or len({id(p) for p in mine}) != call.count:
-            items.append(pair)
+    for call in items:
+        span = _span(call.planes) if isinstance(call, BlockCopy) else None
+        if not isinstance(call, BlockCopy) or span is None:
+            out.append(call)
             continue
-        if id(call) in done:
+        mine = given.get(id(call)) if given is not None else None
+        if (shared := _key(call)) in merged:
+            g = merged[shared]
+            g.block_ids += call.block_ids
+            g.slots += call.slots
+            g.calls.append(call)
+            g.given = g.given + mine if g.given is not None and mine is not None else None
             continue
-        done.add(id(call))
-        key = _key(call)
-        if key in merged:
-            merged[key].block_ids += call.block_ids
-            merged[key].slots += call.slots
-            merged[key].pairs += mine
-            continue
-        merged[key] = Gather(sorted(call.planes, key=lambda p: p[1]), call.rows,
-                             call.into_pool, list(call.block_ids), list(call.slots),
-                             span[0], span[1], list(mine))
-        items.append(merged[key])
-    return [x for item in items for x in _ordered(item)]
+        merged[shared] = Gather(sorted(call.planes, key=lambda p: p[1]), call.rows,
+                                call.into_pool, list(call.block_ids), list(call.slots),
+                                span[0], span[1], [call], mine)
+        out.append(merged[shared])
+    return [x for item in out for x in _ordered(item)]
 
 
-def _ordered(item: Gather | Pair) -> list[Gather | Pair]:
-    """A gather in slot order; its pairs instead if a block or slot repeats (then order
-    matters, and the runs keep it)."""
+def _ordered(item: Gather | BlockCopy | Pair) -> list[Gather | BlockCopy | Pair]:
     if not isinstance(item, Gather):
         return [item]
     if len(set(item.slots)) != len(item.slots) or len(set(item.block_ids)) != len(
             item.block_ids):
-        return list(item.pairs)
+        return list(item.calls)
     order = sorted(range(len(item.slots)), key=item.slots.__getitem__)
     item.slots = [item.slots[i] for i in order]
     item.block_ids = [item.block_ids[i] for i in order]
     return [item]
+
+
+def batch_copies(pairs: Sequence[Pair]) -> list[Gather | Pair]:
+    """`pairs` as gathers where whole `block_pairs` calls are there (see `gathers`), every
+    other pair as it is, in order of first appearance."""
+    calls: dict[int, tuple[BlockCopy, list[Pair]]] = {}
+    for pair in pairs:
+        call: BlockCopy | None = getattr(pair, "batch", None)
+        if call is not None:
+            calls.setdefault(id(call), (call, []))[1].append(pair)
+    given = {key: mine for key, (call, mine) in calls.items()
+             if len({id(p) for p in mine}) == call.count}
+    items: list[BlockCopy | Pair] = []
+    for pair in pairs:
+        key = id(getattr(pair, "batch", None))
+        if key not in given:
+            items.append(pair)
+        elif key in calls:  # a whole call in place of its first pair
+            items.append(calls.pop(key)[0])
+    out: list[Gather | Pair] = []
+    for item in gathers(items, given):
+        if isinstance(item, BlockCopy):
+            out += given[id(item)]
+        else:
+            out.append(item)
+    return out
 
 
 class Attachable(Protocol):

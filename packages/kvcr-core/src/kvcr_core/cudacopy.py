@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvcr_core.copyengine import CopyFailed, CopyJob, Gather, batch_copies
+from kvcr_core.copyengine import BlockCopy, CopyFailed, CopyJob, Gather, batch_copies, gathers
 from kvcr_core.cudart import CudaRuntime, PoolPins, load_libcudart
 from kvcr_core.memory import HostRegion
 
@@ -227,7 +227,7 @@ def choose(g: Gather, strategy: str) -> str:
     if strategy != "auto":
         return strategy
     dmas = sum(1 for _ in g.slot_runs(0, len(g.slots)))
-    copies = len(g.pairs)
+    copies = g.copies
     if dmas >= copies or len(g.slots) * g.span >= copies * GATHER_BELOW_BYTES:
         return "runs"
     return "gather"
@@ -295,6 +295,19 @@ class CudaCopyEngine:
                 else:
                     self._issue(*item)
 
+    def copy_blocks(self, calls: Sequence[BlockCopy]) -> None:
+        """`copy` of the calls' pairs, planned only where a call goes run by run."""
+        if not calls:
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for item in gathers(calls):
+                if isinstance(item, Gather):
+                    self._gather(item)
+                elif isinstance(item, BlockCopy):
+                    for dst, src in item.pairs():
+                        self._issue(dst, src)
+
     def _gather(self, g: Gather) -> None:
         how = choose(g, self.strategy)
         pool = self._pool_on_device(g.rows) if how == "direct" else None
@@ -305,7 +318,7 @@ class CudaCopyEngine:
             how = how if buffers else "runs"
             self.strategy_counts[how] += 1
             if not buffers:
-                for dst, src in g.pairs:
+                for dst, src in g.pairs():
                     self._issue(dst, src)
                 return
             ids = torch.tensor(g.block_ids + g.slots, dtype=torch.int64, pin_memory=True)
