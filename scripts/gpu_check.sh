@@ -44,7 +44,7 @@ if [ -n "$lacking" ]; then
     exit 2
 fi
 
-timeout 170 "$py" -m pytest -q -rs -p no:cacheprovider --timeout=90 \
+timeout 120 "$py" -m pytest -q -rs -p no:cacheprovider --timeout=90 \
     --junitxml="$work/junit.xml" \
     packages/kvcr-core/tests/test_copy_engine_cuda.py \
     packages/kvcr-core/tests/test_copy_engine_gather.py \
@@ -63,7 +63,7 @@ except (OSError, ET.ParseError, StopIteration):
 print("runs,gather,direct,pairs,auto" if ok else "runs,gather,pairs,auto")
 EOF
 )
-timeout 240 "$py" -m kvcr_bench.device_copy --device cuda --strategies "$strategies" \
+timeout 170 "$py" -m kvcr_bench.device_copy --device cuda --strategies "$strategies" \
     --json-out "$work/bench.json"
 bench=$?
 

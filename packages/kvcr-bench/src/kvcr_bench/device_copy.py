@@ -40,14 +40,17 @@ BLOCK_SIZES = (256 * KIB, 2 * MIB)
 RUNS = (1, 4, 16, 64)
 LAYOUTS = ("whole", "paged", "layerwise")
 CUDA_STRATEGIES = ("runs", "gather", "direct", "pairs", "auto")
+STAGING_SWEEP_MIB = (16, 256)  # beside the engine's default (64 MiB, in the rows)
 TARGETS = {"min_save_ratio": (">=", 0.9), "min_load_ratio": (">=", 0.9),
            "longest_prefaulted_chunk_register_s": ("<=", 0.1)}
 
 
 def _rows_for(engine: CopyEngine, device: torch.device, block_bytes: int, total: int,
-              reps: int, strategies: list[str]) -> list[dict[str, Any]]:
+              reps: int, strategies: list[str], sweep: list[dict[str, Any]]
+              ) -> list[dict[str, Any]]:
     """Every layout and run length of one block size, on one pinned pool of twice the
-    blocks (slots have gaps), against the same baseline copies."""
+    blocks (slots have gaps), against the same baseline copies. On CUDA, for the smallest
+    block size, `sweep` gets the gather's ratios in runs of 1 with other staging sizes."""
     n = total // block_bytes
     pool = SlotPool.create(2 * n, block_bytes)
     pool.region.prefault()
@@ -66,6 +69,17 @@ def _rows_for(engine: CopyEngine, device: torch.device, block_bytes: int, total:
                         **measure_row(row, strategies, baseline, sync, reps,
                                       n * block_bytes)})
             del row
+    if isinstance(engine, CudaCopyEngine) and block_bytes == BLOCK_SIZES[0]:
+        for staging_mib in STAGING_SWEEP_MIB:
+            other = CudaCopyEngine(device, strategy="gather", staging_bytes=staging_mib << 20)
+            for layout in LAYOUTS[1:]:
+                row = Row(other, rows, device, block_bytes, layout, 1, n)
+                got = measure_row(row, ["gather"], baseline, sync, reps, n * block_bytes)
+                sweep.append({"staging_mib": staging_mib, "block_bytes": block_bytes,
+                              "layout": layout, "run_blocks": 1,
+                              "save_ratio": got["save_ratio"], "load_ratio": got["load_ratio"],
+                              "checked": got["checked"]})
+            del row, other
     engine.unpin_pool(flat)
     del flat, rows
     pool.close()
@@ -124,32 +138,41 @@ def run_copy_bench(*, quick: bool, as_json: bool, device: str = "auto",
     chosen = (strategies or list(CUDA_STRATEGIES)) if cuda else ["runs"]
     if chosen[-1] != "auto" and cuda:
         chosen.append("auto")
-    sizes = BLOCK_SIZES[:1] if quick else BLOCK_SIZES
-    rows = [r for block in sizes for r in _rows_for(engine, dev, block, total, reps, chosen)]
-    gib = register_gib if register_gib is not None else (0 if quick or not cuda else 2)
-    pins = (registration(engine.runtime, gib)
-            if isinstance(engine, CudaCopyEngine) and gib > 0 else None)
-    summary = _summary(rows, pins)
     result: dict[str, Any] = {
         "bench": "copy", "device": str(dev), "engine": type(engine).__name__, "quick": quick,
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(dev) if cuda else None,
         "bytes_per_row": total, "reps": reps, "strategies": chosen,
-        "memcpy2d": getattr(engine, "memcpy2d", False), "pin_failures": engine.pin_failures,
-        "cuda_failures": engine.cuda_failures if isinstance(engine, CudaCopyEngine) else 0,
-        "rows": rows,
-        "registration": pins, "summary": summary}
+        "memcpy2d": getattr(engine, "memcpy2d", False), "complete": False, "rows": [],
+        "registration": None, "staging_sweep": []}
+    for block in BLOCK_SIZES[:1] if quick else BLOCK_SIZES:
+        result["rows"] += _rows_for(engine, dev, block, total, reps, chosen,
+                                    result["staging_sweep"])
+        _dump(json_out, result)  # what a run cut short by its time limit still shows
+    gib = register_gib if register_gib is not None else (0 if quick or not cuda else 2)
+    if isinstance(engine, CudaCopyEngine) and gib > 0:
+        result["registration"] = registration(engine.runtime, gib)
+    summary = _summary(result["rows"], result["registration"])
+    summary["all_checked"] = summary["all_checked"] and all(
+        r["checked"] for r in result["staging_sweep"])
     targets = {k: v for k, v in TARGETS.items() if summary.get(k) is not None} if cuda else {}
-    result["targets"] = {k: f"{op} {v:g}" for k, (op, v) in targets.items()}
-    result["meets_targets"] = {k: meets(targets, k, summary[k]) for k in targets}
-    if json_out is not None:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+    result.update(
+        complete=True, summary=summary, pin_failures=engine.pin_failures,
+        cuda_failures=engine.cuda_failures if isinstance(engine, CudaCopyEngine) else 0,
+        targets={k: f"{op} {v:g}" for k, (op, v) in targets.items()},
+        meets_targets={k: meets(targets, k, summary[k]) for k in targets})
+    _dump(json_out, result)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
         _print(result, targets)
     return 0 if summary["all_checked"] else 1
+
+
+def _dump(path: str | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def _print(result: dict[str, Any], targets: dict[str, tuple[str, float]]) -> None:
@@ -170,6 +193,9 @@ def _print(result: dict[str, Any], targets: dict[str, tuple[str, float]]) -> Non
               f"{r['copies_run_by_run']:>6} | {r['save_baseline_gbps']:>5.1f}/"
               f"{r['load_baseline_gbps']:<5.1f} | {cells} | {took:>9} | "
               f"{'ok' if r['checked'] else 'WRONG'}")
+    for r in result["staging_sweep"]:
+        print(f"gather with {r['staging_mib']:>3} MiB of staging, {r['layout']:>9}, runs of 1: "
+              f"save {r['save_ratio']:.2f}, load {r['load_ratio']:.2f}")
     if result["registration"] is not None:
         print(f"cudaHostRegister of a {result['registration']['pool_gib']} GiB pool:")
         for name, v in result["registration"].items():
