@@ -381,9 +381,11 @@ def test_no_request_is_heavy_enough_to_stall_the_other_clients(short_tmp: str, h
     sock.close()
 
     engine = AttachClient(g.socket, dataclasses.replace(SPEC, layout="engine"), 4096,
-                          identity="engine")  # pages never touched
+                          identity="engine")
     keys = random_keys(3000, seed=22)
     res = engine.reserve(keys)
+    for slot in res.slots:  # written (one byte each): a never-written page is a hole
+        engine.pool().view(slot)[:1] = b"\0"  # type: ignore[arg-type]
     assert res.granted == 3000 and engine.commit(res.op, checksums=[0] * 3000) == 3000
     lease = engine.acquire(keys, checksums=True)
     assert lease.granted == 3000 and lease.checksums == (0,) * 3000

@@ -7,8 +7,6 @@ revocation); integration layer.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,14 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvcr_core.peers import FetchStatus, InventoryReader, PeerClient, PeerServer
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import PeerRefused
-from kvcr_core.peers.fleet import FleetCredential, NodeKey
 from kvcr_core.peers.origins import OriginRegistry, manifest_message
 from kvcr_core.testing import pattern_block, peer_node, random_keys
+from kvcr_core.testing.fleet import TestFleet
 from kvcr_core.types import NamespaceDigest
 
 pytest.importorskip("cryptography", reason="fleet identities need the cryptography package")
@@ -36,44 +33,13 @@ NS = NamespaceDigest(b"fleet-test-ns-16")
 NAMES = ("node-a", "node-v", "node-t", "node-x")
 
 
-@dataclasses.dataclass
-class Fleet:
-    dir: Path
-    keys: dict[str, NodeKey]
-
-    @property
-    def file(self) -> str:
-        return str(self.dir / "fleet.yaml")
-
-    def key_file(self, name: str) -> str:
-        return str(self.dir / f"{name}.key")
-
-    def credential(self, name: str) -> FleetCredential:
-        return FleetCredential(NodeKey.from_file(self.key_file(name)), self.file)
-
-    def write(self, revoked: tuple[str, ...] = ()) -> None:
-        pub = {n: base64.b64encode(k.public).decode() for n, k in self.keys.items()}
-        Path(self.file + ".new").write_text(yaml.safe_dump({
-            "nodes": {n: p for n, p in pub.items() if not n.startswith("router")},
-            "routers": {n: p for n, p in pub.items() if n.startswith("router")},
-            "revoked": list(revoked)}))
-        os.replace(self.file + ".new", self.file)
+@pytest.fixture
+def fleet(tmp_path: Path) -> TestFleet:
+    return TestFleet(tmp_path, (*NAMES, "router-r"))
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Fleet:
-    keys = {}
-    for name in (*NAMES, "router-r"):
-        key, text = NodeKey.generate()
-        (tmp_path / f"{name}.key").write_text(text)
-        keys[name] = key
-    f = Fleet(tmp_path, keys)
-    f.write()
-    return f
-
-
-@pytest.fixture
-def nodes(fleet: Fleet) -> Iterator[dict[str, tuple]]:
+def nodes(fleet: TestFleet) -> Iterator[dict[str, tuple]]:
     """node -> (runner, store, server, client, registry), all fleet credentials."""
     out = {}
     for name in NAMES:
@@ -170,7 +136,7 @@ def test_a_re_serving_node_cannot_change_the_bytes_it_passes_on(nodes) -> None:
     spare.close()
 
 
-def test_a_router_key_reads_inventories_and_nothing_else(fleet: Fleet, nodes) -> None:
+def test_a_router_key_reads_inventories_and_nothing_else(fleet: TestFleet, nodes) -> None:
     """Risk: every router holds the fleet's one secret, so a compromised router can fetch
     any pool's KV or post hints; a router credential now only reads inventories."""
     _, store_a, server_a, _, _ = nodes["node-a"]
@@ -190,7 +156,7 @@ def test_a_router_key_reads_inventories_and_nothing_else(fleet: Fleet, nodes) ->
     runner.close()
 
 
-def _guard(harness, fleet: Fleet, where: Path, name: str, *flags: str):
+def _guard(harness, fleet: TestFleet, where: Path, name: str, *flags: str):
     where.mkdir()
     g = harness.Guard(str(where), "--peer-listen", "127.0.0.1:0", "--peer-node-key",
                       fleet.key_file(name), "--peer-fleet", fleet.file, *flags).start()
@@ -201,7 +167,7 @@ def _guard(harness, fleet: Fleet, where: Path, name: str, *flags: str):
 
 
 def test_revoking_a_node_drops_its_blocks_everywhere_and_stops_fetching_from_it(
-        fleet: Fleet, short_tmp: str, harness) -> None:
+        fleet: TestFleet, short_tmp: str, harness) -> None:
     """Risk: a node found serving bad KV stays trusted: its blocks keep being loaded by
     every runner that fetched them, and runners keep fetching from it."""
     from kvcr_core.attach import AttachClient

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcr_core.attach import AttachClient
+from kvcr_core.attach import AttachClient, RunnerError
 from kvcr_core.testing import pattern_block
 from kvcr_core.testing.uids import OTHER_UID, other_uid_unavailable
 
@@ -103,6 +103,17 @@ def test_one_uid_cannot_take_the_pool_from_another(shared_guard) -> None:
     victim.close()
 
 
+def test_another_uid_cannot_squat_a_namespace_with_another_block_size(shared_guard) -> None:
+    """Risk: another uid opens the victim's namespace first with another block size, and
+    the real engine's attach fails ("holds blocks of N bytes")."""
+    squatter = Attacker("client", shared_guard.socket, "squat-size")
+    assert squatter.ready["attached"] is True
+    victim, keys = _victim(shared_guard.socket)
+    assert _exact(victim, keys) == 8
+    squatter.finish()
+    victim.close()
+
+
 def test_a_uids_connections_together_hold_at_most_one_share_of_a_shared_tenant(
         short_tmp: str, harness) -> None:
     """Risk: in a shared tenant, two connections of one uid reserve half of the slots each
@@ -137,13 +148,15 @@ def test_a_connect_flood_by_a_foreign_uid_does_not_keep_engines_out(guard) -> No
     os.chmod(guard.socket, 0o666)
     flood = Attacker("flood", guard.socket, "400")
     assert flood.ready["connected"] > 100
-    results: list[bool] = []
+    results: list[bool | str] = []
 
     def attach(n: int) -> None:
         client = AttachClient(guard.socket, SPEC, BLOCK, identity=f"worker-{n}")
         keys = keys_for(100 + n, 1)
         try:
             results.append(client.store(keys, [pattern_block(keys[0], BLOCK)]) == 1)
+        except RunnerError as exc:
+            results.append(str(exc))
         finally:
             client.close()
 

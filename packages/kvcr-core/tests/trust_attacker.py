@@ -6,7 +6,8 @@ it to end a mode that holds.
 Modes: `fake-server PATH` (bind PATH, read what connecting engines send), `squat NAME...`
 (bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a Runner with the
 guard tests' namespace, as an engine would, then: `read[-tenant T] PROMPT BLOCKS`,
-`overwrite`, `punch`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`),
+`overwrite`, `punch`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`,
+`squat-size`),
 `flood SOCKET N` (keep up to N connections that never say Hello).
 """
 
@@ -133,6 +134,12 @@ def client(path: str, action: str, args: list[str]) -> None:
         return fill(path, int(args[0]))
     if action == "hog":
         return hog(path, args[0])
+    if action == "squat-size":  # the victim's namespace, opened first with another block size
+        squatter = AttachClient(path, SPEC, 2 * BLOCK, identity="attacker",
+                                runner_uids=frozenset({0}))
+        squatter.attach()
+        say(ready=True, attached=True)
+        return hold()
     me = attacker(path, args[0] if action.endswith("-tenant") else "")
     try:
         me.attach()

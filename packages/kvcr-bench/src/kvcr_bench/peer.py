@@ -6,7 +6,9 @@ namespaces.
 Each row runs a source and a destination process (kvcr_bench.peer_node). Ratios are
 medians of per-repetition ratios (raw and kvcr run back to back), because the machine may be
 shared. "warm" fetches reuse the source's per-slot checksums (a block served before), "cold"
-ones follow a re-store of every block, so the source hashes each one again. Across namespaces
+ones follow a re-store of every block, so the source hashes each one again. "tcp+fleet"
+rows run the TCP transport with fleet identities: every reply carries its blocks' signed
+origin manifest, checked while the bytes arrive (the cost of origin tags). Across namespaces
 NIXL runs with `UCX_TLS=tcp` and the veth device (else UCX would still copy with cma, as on
 one host). Also the one-block fetch latency, against a raw one-block transfer, and, for
 reference, the raw transfer followed by xxh3 of each block in line ("raw+xxh3": what the
@@ -22,29 +24,34 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from kvcr_bench.peer_node import BATCH
 from kvcr_core.peers.nixl_engine import nixl_installed
 from kvcr_core.testing import network_namespaces
+from kvcr_core.testing.fleet import TestFleet
 
-TARGETS = {"tcp_ratio_vs_raw_256k": 0.80, "nixl_ratio_vs_raw_256k": 0.80}
+TARGETS = {"tcp_ratio_vs_raw_256k": 0.80, "nixl_ratio_vs_raw_256k": 0.80,
+           "tcp_fleet_ratio_vs_raw_256k": 0.80}
 _NS_TAG, _NS_SUBNET = "bp", 9
 
 
 def _run_pair(transport: str, block_bytes: int, blocks: int, reps: int,
-              netns: tuple[str, str] | None, host: str) -> dict[str, Any]:
+              netns: tuple[str, str] | None, host: str, fleet: str = "") -> dict[str, Any]:
     prefix_a = ["ip", "netns", "exec", netns[0]] if netns else []
     prefix_b = ["ip", "netns", "exec", netns[1]] if netns else []
     me = [sys.executable, "-m", "kvcr_bench.peer_node"]
     nixl = ["--nixl"] if transport == "nixl" else []
+    identity = ["--fleet", fleet] if fleet else []
     env_a, env_b = dict(os.environ), dict(os.environ)
     if netns and nixl:  # force UCX onto the veth (between namespaces of one host UCX would
         # otherwise copy with cma, as on one host)
         env_a.update(UCX_TLS="tcp", UCX_NET_DEVICES=f"kvcr{_NS_TAG}va")
         env_b.update(UCX_TLS="tcp", UCX_NET_DEVICES=f"kvcr{_NS_TAG}vb")
     source = subprocess.Popen([*prefix_a, *me, "--role", "source", "--host", host, "--blocks",
-                               str(blocks), "--block-bytes", str(block_bytes), *nixl],
+                               str(blocks), "--block-bytes", str(block_bytes), *nixl,
+                               *identity],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env_a)
     try:
@@ -59,7 +66,7 @@ def _run_pair(transport: str, block_bytes: int, blocks: int, reps: int,
         out = subprocess.run([*prefix_b, *me, "--role", "destination", "--peer", where["peer"],
                               "--raw", json.dumps(where["raw"]), "--nixl-agent", where["nixl"],
                               "--blocks", str(blocks), "--block-bytes", str(block_bytes),
-                              "--reps", str(reps)],
+                              "--reps", str(reps), *identity],
                              capture_output=True, text=True, timeout=900, check=False, env=env_b)
         if out.returncode != 0:
             raise RuntimeError(f"peer destination failed: {out.stderr[-2000:]}")
@@ -79,6 +86,12 @@ def _rows(quick: bool) -> list[dict[str, Any]]:
             row = _run_pair(transport, block_bytes, total // block_bytes, reps, None,
                             "127.0.0.1")
             rows.append({"path": "loopback", "transport": transport, **row})
+    with tempfile.TemporaryDirectory(prefix="kvcr-bench-fleet-") as fleet:
+        TestFleet(fleet, ("source", "destination"))
+        for block_bytes in (256 << 10, 2 << 20):  # the same TCP rows with origin tags
+            row = _run_pair("tcp", block_bytes, total // block_bytes, reps, None, "127.0.0.1",
+                            fleet)
+            rows.append({"path": "loopback", "transport": "tcp+fleet", **row})
     with network_namespaces(_NS_TAG, _NS_SUBNET) as netns:
         if netns is not None:
             for transport in transports:
@@ -99,7 +112,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                   and r.get("block_bytes") == 64 << 10 and r["path"] == "loopback"]
         return values[0] if values else None
 
-    return {"tcp_ratio_vs_raw_256k": pick("tcp", "ratio"),
+    fleet, plain = pick("tcp+fleet", "ratio"), pick("tcp", "ratio")
+    return {"tcp_ratio_vs_raw_256k": plain,
+            "tcp_fleet_ratio_vs_raw_256k": fleet,
+            "fleet_vs_secret_256k": fleet / plain if fleet and plain else None,
             "nixl_ratio_vs_raw_256k": pick("nixl", "ratio"),
             "small_fetch_p50_us": small("tcp"),
             "tcp_ratio_vs_raw_256k_cold": pick("tcp", "ratio_cold"),
@@ -123,15 +139,15 @@ def run_peer_bench(*, quick: bool, as_json: bool) -> int:
           f"per row, fetches of {BATCH} blocks; ratio = median over repetitions of raw/kvcr; "
           "raw+xxh3 = raw/(raw then xxh3 of each block in line); raw x2 = raw NIXL GB/s with "
           "the READ split between two threads (kvcr uses two lanes)")
-    print(f"{'path':>18} {'via':>4} {'block':>9} | {'raw GB/s':>8} {'kvcr GB/s':>9} "
+    print(f"{'path':>18} {'via':>9} {'block':>9} | {'raw GB/s':>8} {'kvcr GB/s':>9} "
           f"{'ratio':>5} {'cold':>5} {'raw+xxh3':>8} {'raw x2':>6} | "
           f"{'1-block p50 raw/kvcr':>20}")
     for r in rows:
         if "error" in r:
-            print(f"{r['path']:>18} {r['transport']:>4}  {r['error']}")
+            print(f"{r['path']:>18} {r['transport']:>9}  {r['error']}")
             continue
         raw2 = "-" if r.get("raw2_gbps") is None else f"{r['raw2_gbps']:.2f}"
-        print(f"{r['path']:>18} {r['transport']:>4} {r['block_bytes'] >> 10:>5} KiB | "
+        print(f"{r['path']:>18} {r['transport']:>9} {r['block_bytes'] >> 10:>5} KiB | "
               f"{r['raw_gbps']:>8.2f} {r['kvcr_gbps']:>9.2f} {r['ratio']:>5.2f} "
               f"{r['ratio_cold']:>5.2f} {r['raw_checked_ratio']:>8.2f} {raw2:>6} | "
               f"{r['raw_small_p50_us']:>9.0f} / "

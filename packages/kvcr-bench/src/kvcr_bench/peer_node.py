@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import struct
@@ -37,6 +38,7 @@ from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_exact_into, send_all
 from kvcr_core.memory import HostRegion, RegionKind
 from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
+from kvcr_core.peers.fleet import FleetCredential, NodeKey, PeerCredential
 from kvcr_core.peers.lanes import LaneJob
 from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.runner import NamespaceStore, Runner
@@ -65,7 +67,15 @@ def _addresses(store: NamespaceStore, keys: list[BlockKey]) -> list[int]:
     return [base + offset(s) for s in slots if s is not None]
 
 
-def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
+def _credential(fleet: str, name: str) -> PeerCredential:
+    """The fleet identity `name` of the bench's fleet directory, else the shared secret."""
+    if not fleet:
+        return PeerSecret(SECRET)
+    return FleetCredential(NodeKey.from_file(os.path.join(fleet, f"{name}.key")),
+                           os.path.join(fleet, "fleet.yaml"))
+
+
+def source(host: str, blocks: int, block_bytes: int, nixl: bool, fleet: str = "") -> None:
     runner = Runner(KVCRConfig(pool_bytes=(blocks + 8) * block_bytes))
     store = runner.open_namespace(DIGEST, block_bytes, prefault=True)
     keys = random_keys(blocks, seed=5)
@@ -77,8 +87,8 @@ def source(host: str, blocks: int, block_bytes: int, nixl: bool) -> None:
             print(json.dumps({"error": f"NIXL did not start: {engine.failure}"}), flush=True)
             return
         metadata = engine.register(store.pool.region.address, store.pool.region.size_bytes)
-    server = PeerServer(runner, PeerSecret(SECRET), PeerMetrics(CollectorRegistry()), host=host,
-                        nixl=nixl)
+    server = PeerServer(runner, _credential(fleet, "source"), PeerMetrics(CollectorRegistry()),
+                        host=host, nixl=nixl)
     raw = socket.create_server((host, 0))
     polling = threading.Event()  # drive NIXL progress for the raw reads (op P)
     polling.set()
@@ -129,14 +139,15 @@ def _median_ratio(raw: list[float], kvcr: list[float]) -> float:
 
 
 def destination(peer: str, raw_at: tuple[str, int], nixl_hex: str, blocks: int,
-                block_bytes: int, reps: int) -> dict[str, Any]:
+                block_bytes: int, reps: int, fleet: str = "") -> dict[str, Any]:
     registry = CollectorRegistry()
     runner = Runner(KVCRConfig(pool_bytes=(blocks + 8) * block_bytes), registry=registry)
     store = runner.open_namespace(DIGEST, block_bytes, prefault=True)
     engine = NixlEngine.shared() if nixl_hex else None
     if engine is not None and not engine.wait_ready(120):
         return {"error": f"NIXL did not start: {engine.failure}"}
-    client = PeerClient(store, PeerSecret(SECRET), PeerMetrics(registry), nixl=bool(nixl_hex))
+    client = PeerClient(store, _credential(fleet, "destination"), PeerMetrics(registry),
+                        nixl=bool(nixl_hex))
     keys = random_keys(blocks, seed=5)
     region = HostRegion.create(blocks * block_bytes, RegionKind.ANONYMOUS)
     region.prefault()
@@ -263,13 +274,15 @@ def _main() -> int:
     ap.add_argument("--blocks", type=int, required=True)
     ap.add_argument("--block-bytes", type=int, required=True)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fleet", default="", help="a directory with source.key, "
+                    "destination.key and fleet.yaml: fleet identities and origin tags")
     args = ap.parse_args()
     if args.role == "source":
-        source(args.host, args.blocks, args.block_bytes, args.nixl)
+        source(args.host, args.blocks, args.block_bytes, args.nixl, args.fleet)
         return 0
     raw_host, raw_port = json.loads(args.raw)
     print(json.dumps(destination(args.peer, (raw_host, raw_port), args.nixl_agent, args.blocks,
-                                 args.block_bytes, args.reps)), flush=True)
+                                 args.block_bytes, args.reps, args.fleet)), flush=True)
     return 0
 
 

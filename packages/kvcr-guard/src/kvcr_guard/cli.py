@@ -82,12 +82,12 @@ def _access_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tenant-max-bytes", default=None,
                     help="pool bytes one named tenant's namespaces may take (default: the "
                     "same equal share)")
-    ap.add_argument("--max-pending-per-uid", type=int, default=8,
-                    help="connections of one uid that have not attached yet (default 8)")
+    ap.add_argument("--max-pending-per-uid", type=int, default=32,
+                    help="connections of one uid that have not attached yet (default 32)")
     ap.add_argument("--max-clients", type=int, default=256,
                     help="attached clients at once (default 256)")
-    ap.add_argument("--max-pending", type=int, default=64,
-                    help="connections that have not attached yet, at once (default 64)")
+    ap.add_argument("--max-pending", type=int, default=128,
+                    help="connections that have not attached yet, at once (default 128)")
     ap.add_argument("--handshake-timeout-s", type=float, default=2.0,
                     help="a connection must attach within this (default 2)")
 

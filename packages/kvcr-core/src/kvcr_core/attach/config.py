@@ -48,11 +48,11 @@ class ServerConfig:
     of the pool for each allowed uid and named tenant)."""
     tenant_max_bytes: int | None = None
     """The same for the namespaces of one named tenant."""
-    max_pending_per_uid: int = 8
+    max_pending_per_uid: int = 32
     """Connections of one uid that have not said Hello yet (one more closes that uid's
     oldest): a uid flooding the socket evicts only its own connections."""
     max_clients: int = 256
-    max_pending: int = 64
+    max_pending: int = 128
     handshake_timeout_s: float = 2.0
     limits: ClientLimits = dataclasses.field(default_factory=ClientLimits)
     namespace_idle_s: float | None = None

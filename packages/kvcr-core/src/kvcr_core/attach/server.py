@@ -52,7 +52,8 @@ from kvcr_core.logs import ThrottledLog, printable
 log = logging.getLogger("kvcr_core.attach")
 
 _RECV_BYTES = 256 * 1024
-_ACCEPT_BATCH = 64  # connections accepted per turn of the loop
+_ACCEPT_BATCH = 256  # connections accepted per turn of the loop
+_BACKLOG = 4096  # (the kernel caps it at net.core.somaxconn)
 _ACCEPT_PAUSE_S = (0.05, 1.0)  # after an accept error: first pause, longest pause
 _TICK_S = 1.0  # idle namespaces are looked at this often
 _QUIET = frozenset({CloseReason.EOF, CloseReason.CLIENT_DIED, CloseReason.SHUTDOWN})
@@ -147,7 +148,7 @@ class AttachServer:
 
     def _serve_on(self, sock: socket.socket) -> None:
         path = self.config.socket_path.replace("\0", "@")  # abstract names print as @name
-        sock.listen(128)
+        sock.listen(_BACKLOG)
         sock.setblocking(False)
         self._listener = sock
         self._sel.register(sock, selectors.EVENT_READ, "listen")
