@@ -143,10 +143,11 @@ def _case(daemons: dict[bool, _Daemon], mode: str, seconds: float, seed: int,
     finally:
         if attacker is not None:
             report = _stop(attacker)
-    ms = sorted(s * 1000 for s in run.samples_s)
+    ms = sorted(s * 1000 for s in run.samples_s) or [float("nan")]
     row = {"case": mode, "attacker": who, "round_trips": len(ms),
            "p50_ms": statistics.median(ms), "p99_ms": ms[int(0.99 * (len(ms) - 1))],
-           "max_ms": ms[-1], "engine_blocks_intact": run.intact,
+           "max_ms": ms[-1], "engine_failed_steps": run.failed_steps,
+           "engine_blocks_intact": run.intact,
            "engine_stored_blocks": run.stored_blocks, "engine_asked_blocks": run.asked_blocks,
            "engine_loaded_blocks": run.loaded_blocks, "engine_zero_blocks": run.zero_blocks,
            "holed_blocks": daemon.holed_blocks() - holed_before, "attack": report}
@@ -210,12 +211,15 @@ def _print_table(rows: list[dict[str, Any]], summary: dict[str, Any], *, quick: 
           f"engine's round trip (64-key lookup; every 10th a reserve+commit of 8 blocks, "
           f"every 10th a 64-block load), {seconds:g} s per case, one attacker process per "
           "case")
-    print(f"{'case':>13} | {'attacker':>9} | {'trips':>6} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'max ms':>7} | {'p99/quiet':>9} | {'own blocks':>10} | what the attack got")
+    print(f"{'case':>13} | {'attacker':>9} | {'trips':>6} {'failed':>6} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'max ms':>7} | {'p99/quiet':>9} | {'own blocks':>10} | what the "
+          "attack got")
     for row in rows:
-        blocks = "intact" if row["engine_blocks_intact"] else "scribbled (caught)"
+        blocks = {True: "intact", False: "changed (caught)", None: "unchecked"}[
+            row["engine_blocks_intact"]]
         print(f"{row['case']:>13} | {row['attacker'] or '-':>9} | {row['round_trips']:>6} "
-              f"{row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} {row['max_ms']:>7.2f} | "
+              f"{row['engine_failed_steps']:>6} {row['p50_ms']:>7.3f} {row['p99_ms']:>7.3f} "
+              f"{row['max_ms']:>7.2f} | "
               f"{row['p99_vs_quiet']:>9.2f} | {blocks:>10} | {_got(row)}")
     if any(row["attacker"] == "same uid*" for row in rows):
         print(f"* could not run as another uid ({summary['other_uid']}): ran as this uid")

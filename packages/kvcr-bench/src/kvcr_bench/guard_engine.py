@@ -7,7 +7,8 @@ commit of 8 fresh blocks; every tenth (from the 5th) a load: a lease on its 64 k
 blocks it reads back (a block that reads as zeros while its checksum says otherwise is counted:
 the pool's pages were punched out under it), then released, and what the Runner dropped
 stored again, untimed (an engine recomputes it). `first_path`: a socket it is pointed at
-first (it must refuse it before saying anything); then it goes to the real one.
+first (it must refuse it before saying anything); then it goes to the real one. A step the
+Runner fails (RunnerError: the engine would recompute) is counted, not timed.
 
 Threading: one thread, one connection, like a scheduler.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kvcr_bench.attacker import BLOCK, SPEC
 from kvcr_core.attach import AttachClient, RunnerError
@@ -36,7 +39,9 @@ class EngineRun:
     stored_blocks: int = 0  # granted and committed
     loaded_blocks: int = 0
     zero_blocks: int = 0  # loaded, read back as zeros: never acceptable
-    intact: bool = True  # its blocks matched their committed checksums at the end
+    failed_steps: int = 0  # steps that raised RunnerError (the engine fell back)
+    intact: bool | None = True  # its blocks matched their checksums at the end (None: no
+    # answer to check with)
     refused: str = ""  # the reason it refused `first_path` ("": not pointed at one)
     refuse_ms: float = 0.0
 
@@ -50,7 +55,7 @@ class BenchEngine:
         self.run = EngineRun()
         if first_path is not None:
             self._refuse_first()
-        self.client.store(self.keys, [self.blocks[k] for k in self.keys])
+        self._step(self.client.store, self.keys, [self.blocks[k] for k in self.keys])
 
     def _refuse_first(self) -> None:
         start = time.perf_counter()
@@ -69,16 +74,27 @@ class BenchEngine:
         while time.monotonic() < end:
             i += 1
             if i % 10 == 0:
-                self._store_fresh(i)
+                self._step(self._store_fresh, i)
             elif i % 10 == 5:
-                self._load()
+                self._step(self._load)
             else:
-                start = time.perf_counter()
-                self.client.batch(lookup)
-                self.run.samples_s.append(time.perf_counter() - start)
-        self.run.intact = self._intact()
+                self._step(self._lookup, lookup)
+        self.run.intact = None
+        self._step(self._check_intact)
         self.client.close()
         return self.run
+
+    def _step(self, work: Callable[..., object], *args: Any) -> None:
+        try:
+            work(*args)
+        except RunnerError:
+            self.run.failed_steps += 1
+            time.sleep(0.001)  # the client backs off; so does its engine's scheduler
+
+    def _lookup(self, lookup: list[p.Op]) -> None:
+        start = time.perf_counter()
+        self.client.batch(lookup)
+        self.run.samples_s.append(time.perf_counter() - start)
 
     def _store_fresh(self, i: int) -> None:
         fresh = random_keys(8, seed=self.seed * 100_000 + i)
@@ -112,7 +128,7 @@ class BenchEngine:
                 self.run.loaded_blocks += 1
                 self.run.zero_blocks += bytes(view(slot)) == _ZERO_BLOCK
 
-    def _intact(self) -> bool:
+    def _check_intact(self) -> None:
         """Whether its blocks still match their committed checksums (a scribbler may have hit
         them: then a verified load refuses them)."""
         lease = self.client.acquire(self.keys, prefix_only=False, checksums=True)
@@ -121,7 +137,7 @@ class BenchEngine:
         intact = all(block_checksum(view(s)) == c
                      for s, c in zip(held, lease.checksums, strict=True))
         self.client.release(lease.op)
-        return intact
+        self.run.intact = intact
 
 
 def engine_round_trips(path: str, seconds: float, seed: int,
