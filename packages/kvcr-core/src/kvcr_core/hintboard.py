@@ -14,7 +14,7 @@ connection's address, an attach client's uid) cannot crowd out a real source:
   least recently used one) and `max_endpoints` in all; when the table is full, a new endpoint
   takes the place of one with no live hash, else of the least recently used endpoint of the
   poster holding the most. A poster never refuses a new source; it only ages out old ones.
-- hashes: at most `max_hashes` (about 150 bytes each), `ttl_s` of life each; past the bound,
+- hashes: at most `max_hashes` (about 200 bytes each), `ttl_s` of life each; past the bound,
   the oldest hashes of the poster holding the most go first.
 Endpoint tables are keyed by (poster, endpoint), so two posters naming one source hold a row
 each. Thread-safe (one lock); every operation is O(hashes it names + endpoints).
