@@ -190,7 +190,7 @@ def test_nixl_loads_only_when_a_peer_asks_for_it() -> None:
         "r = Runner(KVCRConfig(pool_bytes=1 << 20))\n"
         "s = r.open_namespace(b'x' * 16, 4096)\n"
         "m = PeerMetrics(CollectorRegistry())\n"
-        "key = PeerSecret(b'import-purity-test-secret-0123456789')\n"
+        "key = PeerSecret(b'Wy3qxzrb7ksZiotwJHHHOxUjToVj4p2d4HTLdoDir4Y=')\n"
         "server = PeerServer(r, key, m, nixl=False)\n"
         "client = PeerClient(s, key, m, nixl=False)\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in "

@@ -20,7 +20,7 @@ from kvcr_core.testing.uids import OTHER_UID, other_uid_unavailable
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attach_worker import BLOCK, SPEC, keys_for
-from trust_attacker import Attacker
+from trust_attacker import Attacker, hint
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(other_uid_unavailable() is not None,
@@ -125,6 +125,20 @@ def test_a_uids_connections_together_hold_at_most_one_share_of_a_shared_tenant(
     assert victim.lookup(keys) == 8
     hog.finish()
     victim.close()
+
+
+def test_junk_hints_of_another_uid_cannot_crowd_a_real_source_off_the_board(
+        shared_guard) -> None:
+    """Risk: one client posts hints naming 512 junk endpoints; the hint board's endpoint
+    table fills (daemon memory 29 -> 229 MiB) and a real source then gets 0 hashes."""
+    flood = Attacker("client", shared_guard.socket, "hint-flood")
+    assert flood.ready["taken"] > 0
+    engine = AttachClient(shared_guard.socket, SPEC, BLOCK, identity="engine")
+    real = list(range(10_000_000, 10_000_064))
+    assert engine.post_hint(hint("tcp://10.0.0.7:7500", real)) == 64
+    assert engine.hint_sources(real) == ["tcp://10.0.0.7:7500"] * 64
+    flood.finish()
+    engine.close()
 
 
 def test_the_status_shows_a_uid_only_its_own_namespaces_and_clients(shared_guard) -> None:

@@ -7,7 +7,7 @@ Modes: `fake-server PATH` (bind PATH, read what connecting engines send), `squat
 (bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a Runner with the
 guard tests' namespace, as an engine would, then: `read[-tenant T] PROMPT BLOCKS`,
 `overwrite`, `punch`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`,
-`squat-size`),
+`squat-size`, `hint-flood`),
 `flood SOCKET N` (keep up to N connections that never say Hello).
 """
 
@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 
 from kvcr_core.attach import AttachClient, RunnerError, probe_status
 from kvcr_core.testing import pattern_block, random_keys
@@ -102,6 +103,13 @@ def squat(names: list[str]) -> None:
     hold()
 
 
+def hint(source: str, hashes: Iterable[int]) -> str:
+    """A KV hint envelope: `hashes` are held by `source`."""
+    return json.dumps({"protocol_version": "0.1", "message_id": "m", "actions": [{
+        "action_type": "kv.fetch", "payload": {"source_control_endpoint": source,
+                                               "block_hashes": list(hashes)}}]})
+
+
 def attacker(path: str, tenant: str = "") -> AttachClient:
     return AttachClient(path, dataclasses.replace(SPEC, tenant=tenant), BLOCK,
                         identity="attacker", runner_uids=frozenset({0}))
@@ -134,6 +142,12 @@ def client(path: str, action: str, args: list[str]) -> None:
         return fill(path, int(args[0]))
     if action == "hog":
         return hog(path, args[0])
+    if action == "hint-flood":  # 512 junk sources of 64 hashes each
+        junk = attacker(path)
+        taken = sum(junk.post_hint(hint(f"tcp://10.9.{n // 250}.{n % 250}:7500",
+                                        range(n * 64 + 1, n * 64 + 65))) for n in range(512))
+        say(ready=True, attached=True, taken=taken)
+        return hold()
     if action == "squat-size":  # the victim's namespace, opened first with another block size
         squatter = AttachClient(path, SPEC, 2 * BLOCK, identity="attacker",
                                 runner_uids=frozenset({0}))

@@ -256,3 +256,7 @@ class RunnerMetrics(LightMetrics):
             yield self.counter("kvcr_hint_board_matched_hashes_total",
                                "Missed blocks an engine found a posted hint for",
                                board.matched_hashes)
+            yield self.counter("kvcr_hint_board_evicted_endpoints_total",
+                               "Source endpoints dropped from the hint board to make room "
+                               "(a poster past its share, or the table full)",
+                               board.evicted_endpoints)

@@ -240,11 +240,12 @@ class Runner:
         self.metrics.bind_pool_gauges(self._usage)
         self.metrics.bind_hint_board(self.hint_board)
 
-    def post_hint(self, raw: object) -> int:
+    def post_hint(self, raw: object, poster: str = "") -> int:
         """A hint for requests still to come (see `HintBoard`): validated and counted like any
-        hint; returns the block hashes remembered (0 if it was rejected)."""
+        hint; returns the block hashes remembered (0 if it was rejected). `poster`: who
+        posted it (a uid, a peer), each with its own share of the board."""
         hint = self.hints.accept(raw)
-        return 0 if hint is None else self.hint_board.post(hint)
+        return 0 if hint is None else self.hint_board.post(hint, poster)
 
     def back_first_pool(self, ahead_bytes: int = 0) -> int:
         """Creates and backs (prefaults) the memory of the first namespace's pool now (a

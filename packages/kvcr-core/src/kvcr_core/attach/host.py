@@ -87,7 +87,8 @@ class RunnerHost:
                     siblings=functools.partial(self._siblings, uid, store.digest)
                     if scope.shared else None))
             service = RunnerService(self.runner, stores, owner, self._access,
-                                    self.config.limits, grants=grants, on_close=self.detach)
+                                    self.config.limits, grants=grants, poster=f"uid:{uid}",
+                                    on_close=self.detach)
             self._clients[owner] = _Client(service, uid, identity[:128])
             now = time.monotonic()
             for store in stores:

@@ -128,14 +128,16 @@ class RunnerService:
 
     def __init__(self, runner: Runner, stores: Sequence[NamespaceStore], owner: OwnerId,
                  peers: PeerAccess, limits: ClientLimits | None = None, *,
-                 grants: Sequence[Grant] | None = None,
+                 grants: Sequence[Grant] | None = None, poster: str = "",
                  on_close: Callable[[RunnerService], object] | None = None) -> None:
+        """`poster`: whose hints this client posts (its uid: a share of the hint board)."""
         self.runner = runner
         self.stores = list(stores)
         self.owner = owner
         self.peers = peers
         self.limits = limits or ClientLimits()
         self.grants = list(grants) if grants is not None else [Grant()] * len(self.stores)
+        self.poster = poster
         self._held = [max(1, int(s.index.capacity_slots * self.limits.held_fraction))
                       for s in self.stores]
         self._budget = RequestBudget.unbounded()
@@ -306,7 +308,7 @@ class RunnerService:
         if not self._budget.hint(len(envelope)):
             self.runner.metrics.hint_outcome("too_large")
             return 0
-        return self.runner.post_hint(envelope)
+        return self.runner.post_hint(envelope, self.poster)
 
     def hint_sources(self, hashes: Sequence[int]) -> list[str | None]:
         asked = self._budget.cheap(hashes)

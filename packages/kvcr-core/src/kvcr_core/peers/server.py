@@ -239,7 +239,9 @@ class PeerServer:
                 if isinstance(message, pp.Inventory):
                     self._inventory(sock, message)
                 elif isinstance(message, pp.PostHint):
-                    sock.sendall(pp.encode(pp.HintPosted(self.runner.post_hint(message.envelope))))
+                    poster = f"peer:{identity.name or source}"
+                    posted = self.runner.post_hint(message.envelope, poster)
+                    sock.sendall(pp.encode(pp.HintPosted(posted)))
                 elif isinstance(message, pp.Fetch) and conn is not None:
                     conn.transport.send(conn, message)
                 else:
