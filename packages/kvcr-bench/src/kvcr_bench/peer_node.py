@@ -37,8 +37,15 @@ from kvcr_core.checksums import block_checksum as checksum
 from kvcr_core.config import KVCRConfig
 from kvcr_core.framing import recv_exact_into, send_all
 from kvcr_core.memory import HostRegion, RegionKind
-from kvcr_core.peers import PeerClient, PeerMetrics, PeerSecret, PeerServer
-from kvcr_core.peers.fleet import FleetCredential, NodeKey, PeerCredential
+from kvcr_core.peers import (
+    FleetCredential,
+    NodeKey,
+    PeerClient,
+    PeerCredential,
+    PeerMetrics,
+    PeerSecret,
+    PeerServer,
+)
 from kvcr_core.peers.lanes import LaneJob
 from kvcr_core.peers.nixl_engine import NixlEngine
 from kvcr_core.runner import NamespaceStore, Runner

@@ -63,6 +63,10 @@ def _serve_parser(sub: Any) -> None:
     add("--peer-secret-file", help="file with the shared kvcr peer secret (for inventory)")
     add("--peer-secret-env",
         help=f"environment variable with the secret (default {rc['peer_secret_env']})")
+    add("--peer-node-key", help="this router's fleet key (kvcr fleet keygen), instead of the "
+                                "shared secret: with --peer-fleet, it may read inventories "
+                                "and nothing else")
+    add("--peer-fleet", help="the fleet file, listing this router under `routers`")
     for name in ("health_interval_s", "health_timeout_s", "inventory_interval_s",
                  "inventory_timeout_s", "connect_timeout_s", "read_timeout_s"):
         add("--" + name.replace("_", "-"), type=float, help=f"default {rc[name]}")
@@ -137,16 +141,16 @@ def serve(config: RouterConfig) -> int:
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
+    from kvcr_core.attach import secret_from
     from kvcr_core.exposition import process_metrics
-    from kvcr_core.peers import PeerSecret
     from kvcr_router.front import Router
     from kvcr_router.hashing import HfTokenizer, PromptHasher
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     secret = None
     if any(w.peer for w in config.workers):
-        secret = (PeerSecret.from_file(config.peer_secret_file) if config.peer_secret_file
-                  else PeerSecret.from_env(config.peer_secret_env))
+        secret = secret_from(config.peer_secret_file, config.peer_secret_env,
+                             node_key=config.peer_node_key, fleet=config.peer_fleet)
     tokenizer = HfTokenizer(config.tokenizer) if config.tokenizer else None
     hasher = PromptHasher(config.namespace_digest, config.block_size, tokenizer)
     registry = CollectorRegistry()

@@ -102,6 +102,8 @@ class RouterConfig:
     weights: CostWeights = dataclasses.field(default_factory=CostWeights)
     peer_secret_file: str | None = None
     peer_secret_env: str = "KVCR_PEER_SECRET"
+    peer_node_key: str | None = None  # the router's fleet key file (with peer_fleet)
+    peer_fleet: str | None = None  # the fleet file: it must list the router under `routers`
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     inventory_interval_s: float = 0.25

@@ -39,7 +39,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvcr_core.peers import InventoryReader, InventorySource, PeerSecret
+from kvcr_core.peers import InventoryReader, InventorySource, PeerCredential
 from kvcr_router.access import CacheDetailsGate
 from kvcr_router.bodies import BodyRefused, JsonCodec, read_body
 from kvcr_router.config import RouterConfig, WorkerSpec
@@ -76,7 +76,7 @@ class _Unreachable(Exception):
 
 class Router:
     def __init__(self, config: RouterConfig, hasher: PromptHasher, registry: CollectorRegistry,
-                 *, secret: PeerSecret | None = None,
+                 *, secret: PeerCredential | None = None,
                  new_reader: Callable[[WorkerSpec], InventorySource] | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
         self.config = config
@@ -110,7 +110,8 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def _reader_factory(self, secret: PeerSecret) -> Callable[[WorkerSpec], InventorySource]:
+    def _reader_factory(self, secret: PeerCredential
+                        ) -> Callable[[WorkerSpec], InventorySource]:
         timeout_s = self.config.inventory_timeout_s
 
         def new(spec: WorkerSpec) -> InventorySource:

@@ -14,6 +14,7 @@ from kvcr_core.peers.auth import PeerSecret
 from kvcr_core.peers.client import FetchHandle, FetchResult, PeerClient
 from kvcr_core.peers.connection import PeerRefused
 from kvcr_core.peers.directory import InventorySource
+from kvcr_core.peers.fleet import FleetCredential, Identity, NodeKey, PeerCredential
 from kvcr_core.peers.inventory_reader import InventoryReader
 from kvcr_core.peers.metrics import PeerMetrics
 from kvcr_core.peers.protocol import TransportKind
@@ -25,23 +26,27 @@ from kvcr_core.peers.transport import PeerTransport, ReadRefused, TransportError
 from kvcr_core.types import FetchStatus
 
 __all__ = [
-           "FetchHandle",
-           "FetchResult",
-           "FetchStatus",
-           "InventoryBatch",
-           "InventoryReader",
-           "InventorySource",
-           "NixlTransport",
-           "PeerClient",
-           "PeerMetrics",
-           "PeerRefused",
-           "PeerSecret",
-           "PeerServer",
-           "PeerTLS",
-           "PeerTransport",
-           "ReadRefused",
-           "ReadTransport",
-           "TcpTransport",
-           "TransportError",
-           "TransportKind",
+    "FetchHandle",
+    "FetchResult",
+    "FetchStatus",
+    "FleetCredential",
+    "Identity",
+    "InventoryBatch",
+    "InventoryReader",
+    "InventorySource",
+    "NixlTransport",
+    "NodeKey",
+    "PeerClient",
+    "PeerCredential",
+    "PeerMetrics",
+    "PeerRefused",
+    "PeerSecret",
+    "PeerServer",
+    "PeerTLS",
+    "PeerTransport",
+    "ReadRefused",
+    "ReadTransport",
+    "TcpTransport",
+    "TransportError",
+    "TransportKind",
 ]
