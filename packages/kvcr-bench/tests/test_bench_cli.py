@@ -48,15 +48,17 @@ def test_bench_peer_quick_json_reports_both_transports() -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     summary, nixl = result["summary"], nixl_installed()
-    for name in ("tcp_ratio_vs_raw_256k", "tcp_ratio_vs_raw_256k_cold", "small_fetch_p50_us"):
-        assert summary[name] > 0
+    for name in ("tcp_ratio_vs_raw_256k", "tcp_ratio_vs_raw_256k_cold", "small_fetch_p50_us",
+                 "tcp_fleet_ratio_vs_raw_256k", "fleet_vs_secret_256k"):
+        assert summary[name] > 0  # (fleet: the same TCP fetches with origin tags)
     for name in ("nixl_ratio_vs_raw_256k", "nixl_ratio_vs_raw_256k_cold",
                  "nixl_small_fetch_p50_us"):
         assert (summary[name] > 0) if nixl else summary[name] is None
     loopback = {(r["transport"], r["block_bytes"]) for r in result["rows"]
                 if r["path"] == "loopback"}
     sizes = {65536, 262144, 2097152}
-    assert loopback == {(t, b) for t in (("tcp", "nixl") if nixl else ("tcp",)) for b in sizes}
+    assert loopback == {(t, b) for t in (("tcp", "nixl") if nixl else ("tcp",)) for b in sizes} \
+        | {("tcp+fleet", 262144), ("tcp+fleet", 2097152)}
     assert all(r["raw_checked_ratio"] > 0 for r in result["rows"])  # the verified reference
 
 

@@ -250,6 +250,9 @@ class AttachServer:
         self._accept_pause_s = 0.0
         creds = peer_credentials(sock)
         pid, uid = creds.pid, creds.uid
+        if uid not in self.config.allowed_uids:  # told and closed at once: no session, no
+            self._turn_away(sock, pid, uid)  # turn of the loop (a foreign flood costs little)
+            return True
         session = ClientSession(self.host.new_owner(), pid, uid, self.host,
                                 self.config.socket_path)
         conn = _Conn(sock, session, time.monotonic() + self.config.handshake_timeout_s)
@@ -257,13 +260,19 @@ class AttachServer:
         self._pending += 1
         sock.setblocking(False)
         self._interest(conn)
-        if uid not in self.config.allowed_uids:
-            self._refuse(conn, CloseReason.NOT_ALLOWED,
-                         f"uid {uid} is not allowed; start kvcr-guard with --allowed-uid {uid}")
-        else:
-            self._bound_pending(uid)
+        self._bound_pending(uid)
         self._publish_counts()
         return True
+
+    def _turn_away(self, sock: socket.socket, pid: int, uid: int) -> None:
+        detail = f"uid {uid} is not allowed; start kvcr-guard with --allowed-uid {uid}"
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(p.encode_frame(p.Goodbye(CloseReason.NOT_ALLOWED, detail)))
+        sock.close()
+        self.metrics.connection_closed(CloseReason.NOT_ALLOWED)
+        self._warn.log(logging.WARNING, CloseReason.NOT_ALLOWED.value,
+                       "connection of pid %d closed: not_allowed: %s", pid, detail)
 
     def _bound_pending(self, uid: int) -> None:
         """Closes the oldest connection waiting to say Hello of `uid` (over its own bound)
