@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 from vllm.engine.arg_utils import EngineArgs
 
 from kvcr_core.attach import AttachClient
-from kvcr_core.cli.status_cmd import fetch_status
+from kvcr_core.cli.status_cmd import embedded_sockets, fetch_status
 from kvcr_core.keys import sequence_keys
 from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
@@ -72,7 +72,9 @@ def test_an_engine_pulls_a_prompt_its_peer_served_without_router_or_hint(
         assert b["metrics"]["vllm:kvcr_pulled_blocks"] >= len(PROMPT) // 32 - 1, b
         assert b["metrics"]["vllm:kvcr_pull_lookups"] == 1
         assert b["tokens"] == served["tokens"]  # A computed it from scratch
-        assert scribble(tiny_model, socket_a, PROMPT) == len(PROMPT) // 32
+        served_at = [s for s in embedded_sockets() if s.startswith("@" + socket_a[1:] + "-")]
+        assert len(served_at) == 1  # the embedded name ends in a random part
+        assert scribble(tiny_model, "\0" + served_at[0][1:], PROMPT) == len(PROMPT) // 32
         (c,) = run_engine("plugin", [{"tokens": PROMPT}], b_extra)
         assert c["cached"] < 32 and c["metrics"].get("vllm:kvcr_pulled_blocks", 0) == 0, c
         assert c["metrics"]["vllm:kvcr_failures{reason=peer_fetch}"] >= 1
