@@ -123,7 +123,7 @@ class KVCRConnectorWorker:
                 pass  # (an embedded Runner is not up yet: the first copy pins)
         log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
                  self.tp_rank, len(self._planes), offset, type(engine).__name__,
-                 self.settings.socket)
+                 self.settings.socket.replace("\0", "@"))
 
     def _disable(self, why: str) -> None:
         self._disabled = why
