@@ -166,6 +166,16 @@ def _guard(harness, fleet: TestFleet, where: Path, name: str, *flags: str):
     return g, json.loads(status.stdout)["peer_endpoint"]
 
 
+def _fetched(engine, endpoint: str, keys: list[bytes]) -> list[list[FetchStatus]]:
+    """The statuses of one peer fetch the engine asks its Runner for, once it ends."""
+    ticket = engine.peer_fetch(endpoint, [keys], deadline_s=5)
+    deadline = time.monotonic() + 15
+    while not (outcome := engine.peer_poll(ticket)).done:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return outcome.statuses
+
+
 def test_revoking_a_node_drops_its_blocks_everywhere_and_stops_fetching_from_it(
         fleet: TestFleet, short_tmp: str, harness) -> None:
     """Risk: a node found serving bad KV stays trusted: its blocks keep being loaded by
@@ -181,12 +191,7 @@ def test_revoking_a_node_drops_its_blocks_everywhere_and_stops_fetching_from_it(
     v, _ = _guard(harness, fleet, root / "v", "node-v", "--peer", x_endpoint)
     engine = AttachClient(v.socket, SPEC, GBLOCK, identity="victim-engine")
     keys = keys_for(7, 6)
-    ticket = engine.peer_fetch(x_endpoint, [keys], deadline_s=10)
-    deadline = time.monotonic() + 15
-    while not (outcome := engine.peer_poll(ticket)).done:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert outcome.statuses == [[FetchStatus.OK] * 6]
+    assert _fetched(engine, x_endpoint, keys) == [[FetchStatus.OK] * 6]
     assert engine.lookup(keys) == 6
     fleet.write(revoked=("node-x",))
     deadline = time.monotonic() + 10
@@ -194,12 +199,7 @@ def test_revoking_a_node_drops_its_blocks_everywhere_and_stops_fetching_from_it(
         assert time.monotonic() < deadline, "blocks of a revoked node are still served"
         time.sleep(0.1)
     assert "revoked" in v.logs()
-    ticket = engine.peer_fetch(x_endpoint, [keys], deadline_s=5)
-    deadline = time.monotonic() + 10
-    while not (outcome := engine.peer_poll(ticket)).done:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert outcome.statuses == [[FetchStatus.REFUSED] * 6]
+    assert _fetched(engine, x_endpoint, keys) == [[FetchStatus.REFUSED] * 6]
     engine.close()
     for g in (x, v):
         assert g.stop() == 0
