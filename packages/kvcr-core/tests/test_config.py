@@ -51,7 +51,7 @@ def test_defaults() -> None:
         "max_hint_hashes": 65536,
         "max_hint_bytes": MiB,
         "log_level": "INFO",
-        "verify_loads": False,
+        "verify_loads": "auto",
     }
     assert cfg.memory_backing is MemoryBacking.MEMFD
     assert cfg.effective_namespace_pool_bytes == GiB

@@ -20,9 +20,9 @@ import pytest
 from kvcr_core.peers import FetchStatus, InventoryReader, PeerClient, PeerServer
 from kvcr_core.peers import protocol as pp
 from kvcr_core.peers.connection import PeerRefused
-from kvcr_core.peers.origins import OriginRegistry, manifest_message
+from kvcr_core.peers.origins import OriginRegistry
 from kvcr_core.testing import pattern_block, peer_node, random_keys
-from kvcr_core.testing.fleet import TestFleet
+from kvcr_core.testing.fleet import TestFleet, forge_origin
 from kvcr_core.types import NamespaceDigest
 
 pytest.importorskip("cryptography", reason="fleet identities need the cryptography package")
@@ -71,30 +71,13 @@ def test_blocks_keep_their_origin_through_a_node_that_re_serves_them(nodes) -> N
     assert store_t.load(keys) == [pattern_block(k, BLOCK) for k in keys]
 
 
-def _forge(origins: OriginRegistry, claim: str) -> None:
-    """Makes this node's server sign its own blocks' manifests as if `claim` were their
-    origin (a compromised node's code)."""
-    cred = origins.credential
-
-    def frame_for(namespace: bytes):
-        def frame(seq: int, found) -> bytes:
-            keys = [k for k, _ in found]
-            sums = [s for _, s in found]
-            sig = cred.key.sign(manifest_message(namespace, claim, keys, sums))
-            return pp.encode(pp.Origins(seq, [pp.Manifest(claim, keys, sums, sig)],
-                                        [0] * len(found)))
-        return frame
-
-    origins.frame_for = frame_for  # type: ignore[method-assign]
-
-
 def test_a_node_cannot_pass_its_bytes_off_as_another_nodes(nodes) -> None:
     """Risk: a compromised node serves bytes of its own making tagged as an honest node's,
     and every receiver trusts them as that node's (one shared secret made this trivial)."""
     _, store_x, server_x, _, origins_x = nodes["node-x"]
     keys = random_keys(4, seed=2)
     store_x.store(keys, [bytes([0xEE]) * BLOCK for _ in keys])  # poison under real keys
-    _forge(origins_x, "node-a")
+    forge_origin(origins_x, "node-a")
     _, store_v, _, client_v, _ = nodes["node-v"]
     result = client_v.fetch(server_x.endpoint, keys, 5)
     assert result.statuses == (FetchStatus.UNTRUSTED,) * 4

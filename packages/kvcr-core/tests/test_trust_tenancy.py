@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -15,8 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvcr_core.attach import AttachClient, RunnerError
+from kvcr_core.checksums import block_checksum
+from kvcr_core.config import KVCRConfig, verifies_loads
 from kvcr_core.testing import pattern_block
-from kvcr_core.testing.uids import OTHER_UID, other_uid_unavailable
+from kvcr_core.testing.uids import OTHER_UID, THIRD_UID, as_other_uid, other_uid_unavailable
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attach_worker import BLOCK, SPEC, keys_for
@@ -195,3 +199,57 @@ def test_pages_punched_out_of_the_pool_are_never_loaded_as_kv(guard) -> None:
     assert victim.lookup(keys) == 0
     assert guard.metric("kvcr_holed_blocks_total") == 8
     victim.close()
+
+
+def test_pages_punched_while_an_engine_copies_fail_its_check_where_uids_share(
+        short_tmp: str, harness) -> None:
+    """Risk: holes punched after the lease's hole check, while the engine copies (a race
+    that check cannot see), are loaded as zeros. Where other uids map the namespace (a
+    named tenant's), the default `verify_loads: auto` makes the engine hash what it read;
+    private namespaces are not told to (no other uid maps them)."""
+    g = _guard(short_tmp, harness, "--tenant", f"team=0,{OTHER_UID}")
+    victim, keys = _victim(g.socket, "team")
+    assert victim.shared is True
+    verify = verifies_loads(KVCRConfig().verify_loads, victim.shared)
+    assert verify is True
+    lease = victim.acquire(keys, checksums=verify)
+    assert lease.granted == 8
+    vandal = Attacker("client", g.socket, "punch-tenant", "team")
+    assert vandal.ready["punched"] is True
+    vandal.finish()
+    pool = victim.pool()
+    intact = sum(1 for s, c in zip(lease.slots, lease.checksums, strict=True)
+                 if s is not None and block_checksum(pool.view(s)) == c)
+    assert intact == 0  # every block fails the engine's check: recomputed, never zeros
+    victim.release(lease.op)
+    private, _ = _victim(g.socket, prompt=2)
+    assert private.shared is False
+    assert verifies_loads(KVCRConfig().verify_loads, private.shared) is False
+    victim.close()
+    private.close()
+
+
+_CONNECT = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+            "    s.connect(sys.argv[1])\n    print('connected')\n"
+            "except OSError as e:\n    print(e.strerror)\n")
+
+
+def test_the_kernel_lets_only_allowed_uids_reach_the_guards_socket(
+        short_tmp: str, harness) -> None:
+    """Risk: every uid's connections reach the daemon, whose accept loop pays for each (a
+    connect flood by a uid that may not attach slows every engine's round trip), or an
+    allowed uid cannot connect without the operator opening the socket to every uid."""
+    os.chmod(short_tmp, 0o755)
+    g = harness.Guard(short_tmp, "--allowed-uid", str(os.getuid()), "--allowed-uid",
+                      str(OTHER_UID)).start()  # the socket as kvcr-guard makes it
+    assert stat.S_IMODE(os.stat(g.socket).st_mode) & 0o007 == 0  # nothing for "other"
+    allowed = Attacker("client", g.socket, "read", "1", "8")
+    assert allowed.ready["attached"] is True  # its ACL entry lets 65534 in
+    allowed.finish()
+    for uid, expected in ((THIRD_UID, "Permission denied"), (OTHER_UID, "connected")):
+        probe = as_other_uid([sys.executable, "-c", _CONNECT, g.socket], uid=uid,
+                             stdout=subprocess.PIPE)
+        out, _ = probe.communicate(timeout=60)
+        assert out.decode().strip() == expected, uid
+    # the kernel turned uid 65533 away: the daemon never saw (nor closed) its connection
+    assert g.metric("kvcr_guard_connections_closed_total", reason="not_allowed") == 0

@@ -6,7 +6,7 @@ it to end a mode that holds.
 Modes: `fake-server PATH` (bind PATH, read what connecting engines send), `squat NAME...`
 (bind these abstract names), `client SOCKET ACTION [ARGS]` (attach to a Runner with the
 guard tests' namespace, as an engine would, then: `read[-tenant T] PROMPT BLOCKS`,
-`overwrite`, `punch`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`,
+`overwrite`, `punch[-tenant T]`, `status`, `clear[-tenant T]`, `fill N` junk namespaces, `hog T`,
 `squat-size`, `hint-flood`),
 `flood SOCKET N` (keep up to N connections that never say Hello).
 """
@@ -172,7 +172,7 @@ def client(path: str, action: str, args: list[str]) -> None:
         for slot in range(pool.capacity_slots):
             pool.view(slot)[:] = b"\xee" * BLOCK
         say(ready=True, attached=True, overwrote=pool.capacity_slots)
-    elif action == "punch":  # MADV_REMOVE every slot: the pages leave the memfd (zeros)
+    elif action.startswith("punch"):  # MADV_REMOVE every slot: the pages leave the memfd
         pool = me.pool()
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and
 
 from prometheus_client import CollectorRegistry
 
+from kvcr_core.attach.service import Grant
 from kvcr_core.checksums import block_checksum
 from kvcr_core.config import KVCRConfig
 from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
@@ -196,11 +197,15 @@ def test_kv_transfer_params_of_any_shape_never_break_the_scheduler(params: Any) 
     assert sched.get_num_new_matched_tokens(request, 0) == (16, True)  # served as unhinted
 
 
-@pytest.mark.parametrize("verify", [False, True])
-def test_verified_loads_carry_the_committed_checksums_to_every_rank(verify: bool) -> None:
-    """Risk: verify_loads set but the load plan carries no checksums (nothing is checked),
-    or checksums that are not the ones committed for the leased slots."""
-    node = Node(2, extra={"kvcr": {"verify_loads": verify}})
+@pytest.mark.parametrize(("setting", "shared", "verify"), [
+    (False, True, False), (True, False, True), ("auto", False, False), ("auto", True, True)])
+def test_verified_loads_carry_the_committed_checksums_to_every_rank(
+        setting: bool | str, shared: bool, verify: bool) -> None:
+    """Risk: verify_loads set (or "auto", the default, in a namespace other uids map too)
+    but the load plan carries no checksums (nothing is checked), or checksums that are not
+    the ones committed for the leased slots."""
+    node = Node(2, extra={"kvcr": {"verify_loads": setting}})
+    node.ops.ops.grants = [Grant(shared=shared)] * 2
     node.stock(TOKENS[:16])
     request = FakeRequest("r1", TOKENS)
     sched = node.scheduler

@@ -18,8 +18,11 @@ capture    opens as many junk namespaces as its uid may (reserving every slot of
 foreign-flood  keeps the socket flooded with connections that never say Hello (run as a uid
            the daemon does not allow)
 fake-server    binds SOCKET (a path the engine might be pointed at) and reads what comes
-punch      attached to the engine's own namespace, punches every page out of the pool memfd
-           (madvise MADV_REMOVE), again and again
+punch      attached to the engine's namespace (a tenant it shares with the engine's uid),
+           punches every page out of the pool memfd (madvise MADV_REMOVE), again and again
+poison     a compromised fleet node (key `poisoner` of the fleet in SOCKET, a directory): serves
+           bytes of its own making under keys the engine misses, tagged as node `honest`'s,
+           on 127.0.0.1:PORT
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ SPEC = NamespaceSpec(model_id="kvcr-bench", dtype="float32", kv_dtype="float32",
                      block_size_tokens=16, num_layers=1, num_kv_heads=1, head_dim=128,
                      layout="bench", extra={"block_bytes": "4096"})
 BLOCK = 4096
+SHARED_TENANT = "bench-team"  # named for the engine's uid and the attacker's (punch)
+POISON_SEED = 424_242  # the keys of the blocks the engine misses and the poisoner serves
+POISON_BLOCKS = 8
+POISON_BYTE = 0xEE
 REPORT: dict[str, int] = {}
 """What the running mode got so far: printed as one JSON line when it is stopped."""
 
@@ -232,13 +239,33 @@ def fake_server(path: str) -> None:
 
 
 def punch(path: str) -> None:
-    _sock, pool_fd, welcome = _attach(path)  # held open: attached all along
+    _sock, pool_fd, welcome = _attach(path, dataclasses.replace(SPEC, tenant=SHARED_TENANT))
     REPORT.update(punches=0)
     with mmap.mmap(pool_fd, welcome.pools[0].region_bytes) as mapped:
         while True:
             mapped.madvise(mmap.MADV_REMOVE)
             REPORT["punches"] += 1
-            time.sleep(0.001)
+            time.sleep(random.uniform(0.001, 0.02))  # some loads start between punches
+
+
+def poison(fleet_dir: str, port: int) -> None:
+    from kvcr_core.peers import PeerServer
+    from kvcr_core.peers.fleet import FleetCredential, NodeKey
+    from kvcr_core.peers.origins import OriginRegistry
+    from kvcr_core.testing import peer_node
+    from kvcr_core.testing.fleet import forge_origin
+
+    cred = FleetCredential(NodeKey.from_file(os.path.join(fleet_dir, "poisoner.key")),
+                           os.path.join(fleet_dir, "fleet.yaml"))
+    runner, store, metrics = peer_node(SPEC.digest(), BLOCK)
+    poisoned = random_keys(POISON_BLOCKS, seed=POISON_SEED)
+    store.store(poisoned, [bytes([POISON_BYTE]) * BLOCK] * len(poisoned))
+    origins = OriginRegistry(cred)
+    forge_origin(origins, "honest")
+    PeerServer(runner, cred, metrics, port=port, origins=origins)
+    REPORT.update(serving=len(poisoned))
+    while True:
+        time.sleep(1)
 
 
 MODES = {"hints": hints, "keys": keys, "squat": squat, "malformed": malformed, "idle": idle,
@@ -256,6 +283,8 @@ def main() -> None:
     mode, path, host, port, *arg = sys.argv[1:]
     if mode == "peer":
         peer(host, int(port))
+    elif mode == "poison":
+        poison(path, int(port))
     elif mode == "capture":
         capture(path, arg[0])
     else:

@@ -13,8 +13,12 @@ it never loaded a zeroed block.
 Cases of another uid (kvcr_core.testing.uids): `capture` (junk namespaces, to take the pool),
 `foreign-flood` (a uid not allowed floods the socket), `fake-server` (it binds a path in a
 world-writable directory; the engine is pointed there first and must refuse it at once:
-`untrusted_runner`, having sent nothing). Same uid: `punch` (holes punched in the engine's
-pool: its loads miss, `kvcr_holed_blocks_total` counts, never zeros).
+`untrusted_runner`, having sent nothing), `punch` (holes punched, again and again, in the
+pool of a tenant it shares with the engine: leases drop holed blocks,
+`kvcr_holed_blocks_total`, and the engine's checks catch holes punched during its copy;
+never zeros used). `poison`: a compromised node of the daemons' fleet (node identities)
+serves its own bytes under keys the engine misses, signed as an honest node's; the engine's
+Runner fetches from it every tenth step and must refuse every block (`untrusted`).
 """
 
 from __future__ import annotations
@@ -34,17 +38,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcr_bench.attacker import SHARED_TENANT
 from kvcr_bench.guard_engine import engine_round_trips
 from kvcr_bench.processes import GuardProcess
 from kvcr_core.attach import probe_status
-from kvcr_core.testing import secret_for
+from kvcr_core.testing.fleet import TestFleet
 from kvcr_core.testing.uids import OTHER_UID, as_other_uid, other_uid_unavailable
 
 CASES = ("none", "hints", "keys", "squat", "malformed", "idle", "tenant", "fd", "scribble",
-         "peer", "capture", "foreign-flood", "fake-server", "punch")
-OTHER_UID_CASES = ("capture", "foreign-flood", "fake-server")
+         "peer", "capture", "foreign-flood", "fake-server", "punch", "poison")
+OTHER_UID_CASES = ("capture", "foreign-flood", "fake-server", "punch")
 TARGET_P99_MS = 2.0
-SECRET = secret_for("kvcr-bench-under-attack-secret-0123456789")
+FLEET = ("victim", "honest", "poisoner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,8 @@ class _Daemon:
     socket: str
     peer_host: str
     peer_port: int
+    fleet_dir: str
+    poison_port: int  # the poisoning peer listens here in its case (a --peer of the daemon)
 
     def holed_blocks(self) -> float:
         return self.guard.metric("kvcr_holed_blocks_total")
@@ -66,26 +73,29 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _daemon(*, allow_other: bool) -> Iterator[_Daemon]:
-    """A private kvcr-guard with a peer port, its socket reachable by every uid (the daemon
-    decides who attaches); `allow_other`: uid 65534 may attach too (tenant someone-else)."""
+def _daemon(fleet_dir: str, *, allow_other: bool) -> Iterator[_Daemon]:
+    """A private kvcr-guard with a peer port (node `victim` of the fleet in `fleet_dir`);
+    `allow_other`: uid 65534 may attach too (its own tenant, and one it shares with this
+    uid), else it may not even connect."""
     tmp = tempfile.mkdtemp(prefix="kvcrba", dir="/tmp")
     me = os.getuid()
-    others = ["--allowed-uid", str(OTHER_UID), "--tenant", f"someone-else={OTHER_UID}"] \
+    others = ["--allowed-uid", str(OTHER_UID), "--tenant", f"someone-else={OTHER_UID}",
+              "--tenant", f"{SHARED_TENANT}={me},{OTHER_UID}"] \
         if allow_other and me != OTHER_UID else []
+    poison_port = _free_port()
     try:
         os.chmod(tmp, 0o755)
         guard = GuardProcess(
             Path(tmp), "--pool-bytes", "256MiB", "--namespace-pool-bytes", "64MiB",
-            "--log-level", "ERROR", "--peer-listen", "127.0.0.1:0", "--peer-secret-env",
-            "KVCR_BENCH_ATTACK_SECRET", "--allowed-uid", str(me), *others,
-            env={"KVCR_BENCH_ATTACK_SECRET": SECRET}, socket_name="g.sock",
-            metrics_port=_free_port())
-        try:
-            os.chmod(guard.socket, 0o666)
+            "--log-level", "ERROR", "--peer-listen", "127.0.0.1:0",
+            "--peer-node-key", os.path.join(fleet_dir, "victim.key"),
+            "--peer-fleet", os.path.join(fleet_dir, "fleet.yaml"),
+            "--peer", f"tcp://127.0.0.1:{poison_port}", "--allowed-uid", str(me), *others,
+            socket_name="g.sock", metrics_port=_free_port())
+        try:  # the socket as kvcr-guard makes it: the kernel admits only allowed uids
             status = probe_status(guard.socket)
             host, port = status["peer_endpoint"].removeprefix("tcp://").rsplit(":", 1)
-            yield _Daemon(guard, guard.socket, host, int(port))
+            yield _Daemon(guard, guard.socket, host, int(port), fleet_dir, poison_port)
             if not guard.alive():
                 raise RuntimeError("kvcr-guard died under attack")
         finally:
@@ -96,8 +106,9 @@ def _daemon(*, allow_other: bool) -> Iterator[_Daemon]:
 
 def _attacker(mode: str, daemon: _Daemon, target: str) -> tuple[subprocess.Popen[bytes], str]:
     """The attacker process of `mode` (against `target`, a socket path), and who it runs as."""
+    port = daemon.poison_port if mode == "poison" else daemon.peer_port
     argv = [sys.executable, "-m", "kvcr_bench.attacker", mode, target, daemon.peer_host,
-            str(daemon.peer_port), str(os.getuid())]
+            str(port), str(os.getuid())]
     pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL}
     if mode in OTHER_UID_CASES and other_uid_unavailable() is None:
         return as_other_uid(argv, **pipes), f"uid {OTHER_UID}"
@@ -129,7 +140,8 @@ def _wait_for(path: str, timeout_s: float = 10.0) -> None:
 def _case(daemons: dict[bool, _Daemon], mode: str, seconds: float, seed: int,
           fake_dir: str) -> dict[str, Any]:
     daemon = daemons[mode != "foreign-flood"]
-    target = os.path.join(fake_dir, f"{mode}.sock") if mode == "fake-server" else daemon.socket
+    target = {"fake-server": os.path.join(fake_dir, f"{mode}.sock"),
+              "poison": daemon.fleet_dir}.get(mode, daemon.socket)
     attacker, who = (None, "") if mode == "none" else _attacker(mode, daemon, target)
     holed_before = daemon.holed_blocks()
     report: dict[str, Any] = {}
@@ -138,8 +150,10 @@ def _case(daemons: dict[bool, _Daemon], mode: str, seconds: float, seed: int,
             _wait_for(target)
         elif attacker is not None:
             time.sleep(0.5)  # the attack is under way
-        run = engine_round_trips(daemon.socket, seconds, seed,
-                                 first_path=target if mode == "fake-server" else None)
+        run = engine_round_trips(
+            daemon.socket, seconds, seed, first_path=target if mode == "fake-server" else None,
+            tenant=SHARED_TENANT if mode == "punch" else "",
+            poison_peer=f"tcp://127.0.0.1:{daemon.poison_port}" if mode == "poison" else None)
     finally:
         if attacker is not None:
             report = _stop(attacker)
@@ -150,6 +164,9 @@ def _case(daemons: dict[bool, _Daemon], mode: str, seconds: float, seed: int,
            "engine_blocks_intact": run.intact,
            "engine_stored_blocks": run.stored_blocks, "engine_asked_blocks": run.asked_blocks,
            "engine_loaded_blocks": run.loaded_blocks, "engine_zero_blocks": run.zero_blocks,
+           "engine_rejected_blocks": run.rejected_blocks,
+           "peer_accepted_blocks": run.peer_accepted, "peer_refused_blocks": run.peer_refused,
+           "engine_poisoned_blocks": run.poisoned_blocks,
            "holed_blocks": daemon.holed_blocks() - holed_before, "attack": report}
     if mode == "fake-server":
         row.update(refused=run.refused, refuse_ms=run.refuse_ms)
@@ -161,8 +178,11 @@ def run_under_attack(*, quick: bool, as_json: bool) -> int:
     rows = []
     fake_dir = tempfile.mkdtemp(prefix="kvcrfk", dir="/tmp")
     os.chmod(fake_dir, 0o777)  # like a careless /tmp/kvcr: any uid binds paths here
+    fleet_dir = tempfile.mkdtemp(prefix="kvcrfl", dir="/tmp")
+    TestFleet(fleet_dir, FLEET)
     try:
-        with _daemon(allow_other=True) as shared, _daemon(allow_other=False) as closed:
+        with _daemon(fleet_dir, allow_other=True) as shared, \
+                _daemon(fleet_dir, allow_other=False) as closed:
             for seed, mode in enumerate(CASES, start=1):
                 print(f"kvcr bench guard --under-attack: {mode} ...", file=sys.stderr,
                       flush=True)
@@ -170,6 +190,7 @@ def run_under_attack(*, quick: bool, as_json: bool) -> int:
                                   fake_dir))
     finally:
         shutil.rmtree(fake_dir, ignore_errors=True)
+        shutil.rmtree(fleet_dir, ignore_errors=True)
     quiet = rows[0]["p99_ms"]
     for row in rows:
         row["p99_vs_quiet"] = row["p99_ms"] / quiet
@@ -177,6 +198,7 @@ def run_under_attack(*, quick: bool, as_json: bool) -> int:
     summary = {"worst_p99_ms": worst, "quiet_p99_ms": quiet,
                "meets_p99_target": worst <= TARGET_P99_MS,
                "zero_blocks_loaded": sum(row["engine_zero_blocks"] for row in rows),
+               "poisoned_blocks_loaded": sum(row["engine_poisoned_blocks"] for row in rows),
                "other_uid": other_uid_unavailable() or f"uid {OTHER_UID}"}
     if as_json:
         print(json.dumps({"bench": "guard-under-attack", "quick": quick, "rows": rows,
@@ -199,9 +221,13 @@ def _got(row: dict[str, Any]) -> str:
         return (f"refused: {row['refused']} in {row['refuse_ms']:.2f} ms; fake read "
                 f"{attack.get('received_bytes', '?')} B")
     if case == "punch":
-        return (f"{attack.get('punches', '?')} punches; {row['holed_blocks']:g} blocks "
-                f"dropped as holed; {row['engine_zero_blocks']} zero loads of "
-                f"{row['engine_loaded_blocks']}")
+        return (f"{attack.get('punches', '?')} punches; {row['holed_blocks']:g} dropped "
+                f"as holed, {row['engine_rejected_blocks']} failed the engine's check, "
+                f"{row['engine_zero_blocks']} zeros used of {row['engine_loaded_blocks']}")
+    if case == "poison":
+        return (f"{row['peer_refused_blocks']} blocks refused as untrusted, "
+                f"{row['peer_accepted_blocks']} accepted; {row['engine_poisoned_blocks']} "
+                "poisoned blocks held")
     return ""
 
 
@@ -225,4 +251,5 @@ def _print_table(rows: list[dict[str, Any]], summary: dict[str, Any], *, quick: 
         print(f"* could not run as another uid ({summary['other_uid']}): ran as this uid")
     verdict = "meets" if summary["meets_p99_target"] else "MISSES"
     print(f"\nworst_p99_ms {summary['worst_p99_ms']:.3f}   target <= {TARGET_P99_MS:g}  "
-          f"{verdict}   zero blocks loaded: {summary['zero_blocks_loaded']}")
+          f"{verdict}   zero blocks loaded: {summary['zero_blocks_loaded']}   poisoned "
+          f"blocks held: {summary['poisoned_blocks_loaded']}")

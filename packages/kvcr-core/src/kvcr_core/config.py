@@ -83,9 +83,10 @@ class KVCRConfig:
     """Largest encoded KV hint accepted."""
     log_level: str = "INFO"
     """Threshold for kvcr's loggers."""
-    verify_loads: bool = False
+    verify_loads: bool | str = "auto"
     """Engines check each block they load against the checksum fixed at its commit (a block
-    changed in the pool since then is recomputed, not used). Costs one xxh3 pass per load."""
+    changed in the pool since then is recomputed, not used). Costs one xxh3 pass per load.
+    "auto": in namespaces that processes of other uids map too (a shared tenant's)."""
 
     def __post_init__(self) -> None:
         pool_bytes = parse_size_bytes("pool_bytes", self.pool_bytes, minimum=MIN_POOL_BYTES)
@@ -114,7 +115,7 @@ class KVCRConfig:
             "max_hint_hashes": parse_count("max_hint_hashes", self.max_hint_hashes),
             "max_hint_bytes": parse_size_bytes("max_hint_bytes", self.max_hint_bytes),
             "log_level": _parse_choice("log_level", self.log_level, LOG_LEVELS, upper=True),
-            "verify_loads": parse_bool("verify_loads", self.verify_loads),
+            "verify_loads": _parse_verify_loads(self.verify_loads),
         }
         for name, value in canonical.items():
             object.__setattr__(self, name, value)  # frozen: the only writes, before publication
@@ -194,6 +195,25 @@ def parse_bool(field: str, value: object) -> bool:
     if word in _TRUE or word in _FALSE:
         return word in _TRUE
     raise ConfigError(field, value, "use true or false")
+
+
+VERIFY_AUTO = "auto"
+
+
+def _parse_verify_loads(value: object) -> bool | str:
+    if isinstance(value, str) and value.strip().lower() == VERIFY_AUTO:
+        return VERIFY_AUTO
+    try:
+        return parse_bool("verify_loads", value)
+    except ConfigError:
+        raise ConfigError("verify_loads", value, "use auto (verify loads from namespaces other "
+                          "uids share), true (always) or false (never)") from None
+
+
+def verifies_loads(setting: bool | str, shared: bool) -> bool:
+    """Whether an engine checks its loads from a namespace: `setting` is a config's
+    `verify_loads`; `shared`: processes of other uids map that namespace too."""
+    return setting is True or (setting == VERIFY_AUTO and shared)
 
 
 def load_config(

@@ -41,6 +41,7 @@ from kvcr_core.attach import (
     hinted_run,
 )
 from kvcr_core.checksums import block_checksum, parts_checksum
+from kvcr_core.config import verifies_loads
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
@@ -132,7 +133,7 @@ class PageStore:
         from `settings.peer.peers`."""
         self.spec = spec
         self.block_bytes = block_bytes
-        self.verify_loads = settings.runner.verify_loads
+        self.verify_setting = settings.runner.verify_loads
         self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
                                    timeout_s=settings.timeout_s, map_pages=True,
                                    runner_uids=settings.trusted_runner_uids)
@@ -237,15 +238,21 @@ class PageStore:
                     time.perf_counter() - start)
         return [True] * (n - refused) + [False] * refused
 
+    @property
+    def verify_loads(self) -> bool:
+        """Check each page read against its committed checksum (`verify_loads`; "auto": when
+        processes of other uids map this pool too)."""
+        return verifies_loads(self.verify_setting, self.client.shared)
+
     def read(self, page_keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         """Copies the longest READY prefix into `pages`; True for each page filled."""
         n = len(page_keys)
         if not n:
             return []
         start = time.perf_counter()
+        verify = self.verify_loads
         try:
-            lease = self.client.acquire([block_key(k) for k in page_keys],
-                                        checksums=self.verify_loads)
+            lease = self.client.acquire([block_key(k) for k in page_keys], checksums=verify)
         except RunnerError as exc:
             self._fault("read", exc)
             return [False] * n
@@ -257,7 +264,7 @@ class PageStore:
                 if slot is None:
                     break
                 self._copy(base + slot * stride, segments, into_slot=False)
-                if self.verify_loads and segments_checksum(segments) != lease.checksums[i]:
+                if verify and segments_checksum(segments) != lease.checksums[i]:
                     self.stats.corrupt_pages += 1
                     break  # changed in the pool since its commit: a miss from here on
                 filled[i] = True
@@ -277,12 +284,12 @@ class PageStore:
         pool region); None on a miss, a fault, or (with `verify_loads`) a page changed in the
         pool since its commit. The caller copies out at its own pace (layer by layer) and then
         `unlease`s."""
+        verify = self.verify_loads
         try:
-            lease = self.client.acquire([block_key(k) for k in page_keys],
-                                        checksums=self.verify_loads)
+            lease = self.client.acquire([block_key(k) for k in page_keys], checksums=verify)
             stride = self.client.pool().stride_bytes
             offsets = [int(slot) * stride for slot in lease.slots if slot is not None]
-            if lease.granted < len(page_keys) or (self.verify_loads and any(
+            if lease.granted < len(page_keys) or (verify and any(
                     self.checksum_at(o) != s for o, s in zip(offsets, lease.checksums,
                                                                strict=True))):
                 self.stats.corrupt_pages += lease.granted == len(page_keys)

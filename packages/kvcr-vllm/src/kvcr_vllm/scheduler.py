@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvcr_core.attach import AttachClient, FetchSummary, RunnerError, RunnerOps
+from kvcr_core.config import verifies_loads
 from kvcr_core.hints import HintIntake, HintLimits
 from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.types import BlockKey, OpId
@@ -206,7 +207,7 @@ class KVCRConnectorScheduler:
         count = -(-num_external_tokens // bs)
         block_ids = blocks.get_block_ids()[0][first:first + count]
         keys = [k[first:first + count] for k in self._keys(state, first + count)]
-        verify = self.settings.runner.verify_loads
+        verify = verifies_loads(self.settings.runner.verify_loads, self.runner.shared)
         try:
             leases = self.runner.acquire_all(keys, checksums=verify)
             ops = [lease.op for lease in leases]

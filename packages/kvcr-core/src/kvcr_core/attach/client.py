@@ -75,6 +75,10 @@ class AttachClient:
     def namespace_count(self) -> int:
         return len(self.connection.namespaces)
 
+    @property
+    def shared(self) -> bool:
+        return self.connection.shared
+
     def attach(self) -> Attachment:
         return self.connection.attach()
 

@@ -88,6 +88,9 @@ class RunnerConnection:
         self.lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._attachment: Attachment | None = None
+        self.shared = False
+        """Processes of other uids map one of the pools too, as the Runner said at the last
+        attach (kept while detached: a load right after a re-attach is checked as before)."""
         self._seq = 0
         self._backoff_s = 0.0
         self._next_attempt = 0.0
@@ -204,6 +207,7 @@ class RunnerConnection:
                 if info.backed:
                     pool.region.map_pages_in_background()
         self._sock = sock
+        self.shared = any(info.shared for info in message.pools)
         self._attachment = Attachment(
             OwnerId(message.owner),
             tuple(NamespaceDigest(info.namespace_digest) for info in message.pools), tuple(pools))

@@ -3,11 +3,14 @@ uid and gid of the process that connected, or of the one that called `listen` on
 socket), never by what the peer says about itself. The attach server uses it to admit
 clients; an engine's client uses it to accept only a Runner served by a uid it trusts, so a
 socket bound first by another uid never receives the engine's KV or serves it blocks.
+`grant_connect` lets exactly the allowed uids connect to a socket path (a POSIX ACL), so the
+kernel refuses every other uid before the server sees the connection.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import socket
 import stat
@@ -15,6 +18,11 @@ import struct
 from collections.abc import Iterable
 
 _UCRED = struct.Struct("3i")
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION = struct.Struct("<I")
+_ACL_ENTRY = struct.Struct("<HHI")  # tag, permissions, id
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_RW, _ACL_NONE, _ACL_NO_ID = 6, 0, 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +76,29 @@ def shared_directory_problem(directory: str) -> str | None:
         if parent == path:
             return None
         path = parent
+
+
+def grant_connect(path: str, uids: Iterable[int]) -> str | None:
+    """Lets `uids` (and this uid; root always can) connect to the socket at `path` and no one
+    else: mode 0600 plus an access ACL entry (read-write) per other uid, so the kernel turns
+    every other uid away at connect, before the server spends anything on it. Returns why it
+    could not (the filesystem keeps no ACLs), None when done or when no other uid is named."""
+    others = sorted({u for u in uids if u not in (os.getuid(), 0)})
+    os.chmod(path, 0o600)
+    if not others:
+        return None
+    entries = [(_ACL_USER_OBJ, _ACL_RW, _ACL_NO_ID),
+               *((_ACL_USER, _ACL_RW, uid) for uid in others),
+               (_ACL_GROUP_OBJ, _ACL_NONE, _ACL_NO_ID), (_ACL_MASK, _ACL_RW, _ACL_NO_ID),
+               (_ACL_OTHER, _ACL_NONE, _ACL_NO_ID)]
+    blob = _ACL_VERSION.pack(2) + b"".join(_ACL_ENTRY.pack(*e) for e in entries)
+    try:
+        os.setxattr(path, _ACL_XATTR, blob)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+            raise
+        return (f"the filesystem of {path} keeps no POSIX ACLs ({exc.strerror}), so uids "
+                f"{others} cannot connect to a socket of mode 0600: put the socket on one "
+                "that does (tmpfs, ext4, xfs), or give them access yourself (a group: chgrp, "
+                "chmod 0660); uids not allowed are still refused at connect")
+    return None

@@ -85,7 +85,8 @@ class RunnerHost:
                 grants.append(Grant(
                     may_clear=uid == self.admission.runner_uid or not scope.shared,
                     siblings=functools.partial(self._siblings, uid, store.digest)
-                    if scope.shared else None))
+                    if scope.shared else None,
+                    shared=scope.shared and len(scope.uids) > 1))
             service = RunnerService(self.runner, stores, owner, self._access,
                                     self.config.limits, grants=grants, poster=f"uid:{uid}",
                                     on_close=self.detach)

@@ -82,6 +82,12 @@ class RunnerOps(Protocol):
         """Changes when the client re-attached: slots and mappings of before are gone."""
         ...
 
+    @property
+    def shared(self) -> bool:
+        """Processes of other uids map one of this client's pools too (a named tenant's):
+        `verify_loads: auto` checks loads then. False while detached."""
+        ...
+
     def pool(self, ns: int = 0) -> SlotPool:
         """Namespace `ns`'s slots, mapped in this process (attaching first if needed)."""
         ...

@@ -342,6 +342,9 @@ class PoolInfo(msgspec.Struct, array_like=True):
     """The Runner backs the pool's pages: every page (kvcr-guard --prefault) or each before
     it is handed out (--back-ahead). The engine may map them ahead of use, each once it is
     backed."""
+    shared: bool = False
+    """Processes of other uids map this pool too (a named tenant's namespace): engines with
+    `verify_loads: auto` check what they load from it."""
 
 
 class Welcome(Message, tag="welcome"):

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from kvcr_core._version import __version__
 from kvcr_core.attach import protocol as p
 from kvcr_core.attach.config import ServerConfig
-from kvcr_core.attach.credentials import peer_credentials
+from kvcr_core.attach.credentials import grant_connect, peer_credentials
 from kvcr_core.attach.host import RunnerHost
 from kvcr_core.attach.protocol import CloseReason
 from kvcr_core.attach.session import ClientSession, SessionClosed
@@ -115,7 +115,8 @@ class AttachServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def listen(self) -> None:
-        """Binds the socket (0600), refusing to steal it from a live server."""
+        """Binds the socket (0600, and an ACL entry for each other allowed uid), refusing to
+        steal it from a live server."""
         path = self.config.socket_path
         if self.config.abstract:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -143,7 +144,9 @@ class AttachServer:
             sock.bind(path)
         finally:
             os.umask(old_umask)
-        os.chmod(path, 0o600)
+        problem = grant_connect(path, self.config.allowed_uids)
+        if problem is not None:
+            log.warning("kvcr: %s", problem)
         self._serve_on(sock)
 
     def _serve_on(self, sock: socket.socket) -> None:

@@ -117,10 +117,12 @@ class Grant:
     """What a client may do in one namespace beyond reading and writing blocks: `may_clear`
     (false where other uids share it); `siblings`: the owners of this client's uid attached
     to it, when other uids share it (its uid's clients together hold at most the client
-    limit, so a second connection does not double a uid's share)."""
+    limit, so a second connection does not double a uid's share); `shared`: processes of
+    other uids map it too (engines with `verify_loads: auto` check their loads)."""
 
     may_clear: bool = True
     siblings: Callable[[], Sequence[OwnerId]] | None = None
+    shared: bool = False
 
 
 class RunnerService:
@@ -165,6 +167,10 @@ class RunnerService:
     @property
     def attach_count(self) -> int:
         return 1  # an in-process service never re-attaches
+
+    @property
+    def shared(self) -> bool:
+        return any(grant.shared for grant in self.grants)
 
     def _store(self, ns: int) -> NamespaceStore:
         if not 0 <= ns < len(self.stores):

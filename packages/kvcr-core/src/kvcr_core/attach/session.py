@@ -102,8 +102,10 @@ class ClientSession:
         pools = [store.pool for store in service.stores]
         welcome = p.Welcome(p.PROTOCOL_VERSION, self.owner, [
             p.PoolInfo(store.digest, pool.slot_bytes, pool.stride_bytes, pool.capacity_slots,
-                       pool.region.size_bytes, pool.region.backs_pages)
-            for store, pool in zip(service.stores, pools, strict=True)])
+                       pool.region.size_bytes, pool.region.backs_pages,
+                       grant.shared)
+            for store, pool, grant in zip(service.stores, pools, service.grants,
+                                          strict=True)])
         return p.encode_frame(welcome), [pool.region.fd for pool in pools], False
 
     def _request(self, request: p.Request) -> p.Reply:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 OTHER_UID = 65534
+THIRD_UID = 65533  # a uid no daemon in the tests allows
 
 
 @functools.cache
@@ -30,8 +31,8 @@ def other_uid_unavailable() -> str | None:
     return None
 
 
-def _prefix() -> list[str]:
-    return ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+def _prefix(uid: int = OTHER_UID) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
 def _env() -> dict[str, str]:
@@ -41,7 +42,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def as_other_uid(argv: Sequence[str], **popen: object) -> subprocess.Popen[bytes]:
-    """Starts `argv` (e.g. [sys.executable, "-m", ...]) as uid/gid 65534, with this
-    process's import path."""
-    return subprocess.Popen([*_prefix(), *argv], env=_env(), **popen)  # type: ignore[call-overload, no-any-return]
+def as_other_uid(argv: Sequence[str], *, uid: int = OTHER_UID,
+                 **popen: object) -> subprocess.Popen[bytes]:
+    """Starts `argv` (e.g. [sys.executable, "-m", ...]) as `uid` (and that gid; default
+    65534), with this process's import path."""
+    return subprocess.Popen([*_prefix(uid), *argv], env=_env(), **popen)  # type: ignore[call-overload, no-any-return]
