@@ -33,7 +33,7 @@ from kvcr_core.testing import network_namespaces
 from kvcr_core.testing.fleet import TestFleet
 
 TARGETS = {"tcp_ratio_vs_raw_256k": 0.80, "nixl_ratio_vs_raw_256k": 0.80,
-           "tcp_fleet_ratio_vs_raw_256k": 0.80}
+           "tcp_fleet_ratio_vs_raw_256k": 0.90}  # origin tags may cost a tenth at most
 _NS_TAG, _NS_SUBNET = "bp", 9
 
 
