@@ -52,6 +52,7 @@ def test_defaults() -> None:
         "max_hint_bytes": MiB,
         "log_level": "INFO",
         "verify_loads": "auto",
+        "hash_threads": "auto",
     }
     assert cfg.memory_backing is MemoryBacking.MEMFD
     assert cfg.effective_namespace_pool_bytes == GiB
@@ -150,7 +151,18 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("log_level", 10),
     ("verify_loads", "maybe"),
     ("verify_loads", 1),
+    ("hash_threads", "many"),
+    ("hash_threads", -1),
+    ("hash_threads", 65),
+    ("hash_threads", True),
 ]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), (" AUTO ", "auto"), (0, 0),
+                                                 ("3", 3), (64, 64)])
+def test_hash_threads_accepts_auto_and_counts(value: object, expected: object) -> None:
+    """`hash_threads` takes auto or a count from 0 (in line) to 64, from a file or env."""
+    assert KVCRConfig.from_dict({"hash_threads": value}).hash_threads == expected
 
 
 @pytest.mark.parametrize(("field", "value"), INVALID_VALUES)

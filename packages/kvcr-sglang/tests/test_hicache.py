@@ -25,6 +25,14 @@ SHAPE = PoolShape()
 SIDE = str(Path(__file__).with_name("sglang_side.py"))
 
 
+@pytest.fixture(autouse=True, params=[0, 2], ids=["hash-in-line", "hash-threads"])
+def hash_threads(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every test runs with pages hashed in line and on two sealer threads (kvcr_core.sealing:
+    the commit then follows the write; the store's own reads wait for it)."""
+    monkeypatch.setenv("KVCR_HASH_THREADS", str(request.param))
+    return request.param
+
+
 def rig(layout: str, extra: dict[str, object], **kw: object):  # type: ignore[no-untyped-def]
     alloc, dev = cpu_rig.device_pool(SHAPE)
     host = cpu_rig.host_pool(dev, SHAPE, layout)
@@ -332,6 +340,7 @@ def test_verified_reads_never_serve_a_page_changed_in_the_pool(verify: bool) -> 
         cpu_rig.fill_pages(host, 1, 3, seed=9)
         want = cpu_rig.page_bytes(host, 1, 3)
         assert ctrl.page_set_func(keys, indices(1, 3)) is True
+        assert ctrl.storage_backend.store.sealer.flush(10)  # (this reaches past the store)
         client = ctrl.storage_backend.store.client
         lease = client.acquire([block_key(k) for k in keys])
         client.pool().view(lease.slots[1])[64:72] = b"scribble"

@@ -13,6 +13,14 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(autouse=True, params=[0, 2], ids=["hash-in-line", "hash-threads"])
+def hash_threads(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every test runs with saves hashed in line and on two sealer threads (kvcr_core.sealing:
+    the commit then comes from a sealer thread, after the worker's hook returned)."""
+    monkeypatch.setenv("KVCR_HASH_THREADS", str(request.param))
+    return request.param
+
 torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 
@@ -88,6 +96,7 @@ def test_save_then_load_moves_exact_pages_between_engines(guard, synchronous: bo
     a.register_kv_caches(a_caches)
     b.register_kv_caches(b_caches)
     a.wait_for_save(KVCRConnectorMetadata(saves=[SavePlan("r1", (3, 4, 5, 6), (tuple(keys),))]))
+    assert a.sealer.flush(10)  # with hashing threads the commit follows the hook
     saved = a.report()
     assert saved is not None and saved.saved_keys == set(keys) and not saved.suspect
     assert a.report() is None  # reported once

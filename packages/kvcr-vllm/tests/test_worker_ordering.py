@@ -13,6 +13,14 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(autouse=True, params=[0, 2], ids=["hash-in-line", "hash-threads"])
+def hash_threads(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every test runs with saves hashed in line and on two sealer threads (kvcr_core.sealing:
+    the commit then comes from a sealer thread, after the worker's hook returned)."""
+    monkeypatch.setenv("KVCR_HASH_THREADS", str(request.param))
+    return request.param
+
 torch = pytest.importorskip("torch", reason="torch comes with vLLM (scripts/setup.sh)")
 pytest.importorskip("vllm", reason="the worker imports vLLM's metadata base classes")
 
@@ -74,15 +82,19 @@ def saves(req: str, blocks: tuple[int, ...], first_token: int) -> KVCRConnectorM
 
 def published(worker: KVCRConnectorWorker, reader: AttachClient,
               metadata: KVCRConnectorMetadata) -> int:
-    """Polls the worker (vLLM's next hook), lets its commits reach the guard, looks up."""
+    """Polls the worker (vLLM's next hook), lets its sealer commit what the poll handed it
+    and the commits reach the guard, looks up."""
     worker.get_finished(set())
+    assert worker.sealer.flush(10)
     worker.client.flush()
     return reader.lookup(metadata.saves[0].keys_by_rank[0])  # type: ignore[arg-type]
 
 
-def test_a_save_is_committed_only_after_its_copies_completed(guard, engine) -> None:
+def test_a_save_is_committed_only_after_its_copies_completed(guard, engine,
+                                                            hash_threads) -> None:
     """While the copies are in flight the blocks stay FILLING, however often the worker is
-    polled; once they complete the commit arrives, with the checksums of the bytes copied."""
+    polled; once they complete the commit arrives, with the checksums of the bytes copied
+    (hashed by the sealer's threads where it has any: never on vLLM's worker thread)."""
     caches = kv_caches(1)
     worker = make_worker(guard.socket, engine)
     worker.register_kv_caches(caches)
@@ -100,6 +112,8 @@ def test_a_save_is_committed_only_after_its_copies_completed(guard, engine) -> N
     want = [block_bytes(caches, b) for b in (2, 3)]
     assert [bytes(reader.pool().view(s)) for s in lease.slots if s is not None] == want
     assert list(lease.checksums) == [block_checksum(w) for w in want]
+    hashed = (worker.sealer.sealed_blocks, worker.sealer.inline_blocks)
+    assert hashed == ((2, 0) if hash_threads else (0, 2))
     reader.release(lease.op)
     reader.close()
     worker.shutdown()
@@ -248,6 +262,7 @@ def test_the_pool_is_unpinned_before_it_is_unmapped(short_tmp, harness, engine) 
     step(worker, saves("a", (1,), 0))
     engine.drain()
     worker.get_finished(set())
+    assert worker.sealer.flush(10)
     first = worker.report()
     assert first is not None and len(first.saved_keys) == 1 and not first.suspect
     guard.stop()

@@ -35,6 +35,15 @@ def block_checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def block_checksum_nogil(data: bytes | bytearray | memoryview) -> int:
+    """`block_checksum`, computed with the GIL released (the binding's streaming update
+    releases it; its one-shot function does not): for hashing threads. About a quarter
+    slower than `block_checksum` on one thread."""
+    state = xxhash.xxh3_64()
+    state.update(data)
+    return state.intdigest()
+
+
 def parts_checksum(parts: Iterable[bytes | bytearray | memoryview]) -> int:
     """`block_checksum` of the concatenation of `parts` (a block spread over several
     buffers, such as one engine's KV planes), without joining them."""

@@ -87,6 +87,10 @@ class KVCRConfig:
     """Engines check each block they load against the checksum fixed at its commit (a block
     changed in the pool since then is recomputed, not used). Costs one xxh3 pass per load.
     "auto": in namespaces that processes of other uids map too (a shared tenant's)."""
+    hash_threads: int | str = "auto"
+    """Threads that hash an engine's saved blocks beside its copies (kvcr_core.sealing), so the
+    engine's step never waits for a checksum. 0: hash in line, in the engine's thread.
+    "auto": a quarter of the host's cores, at most 4; none below 4 cores."""
 
     def __post_init__(self) -> None:
         pool_bytes = parse_size_bytes("pool_bytes", self.pool_bytes, minimum=MIN_POOL_BYTES)
@@ -116,6 +120,7 @@ class KVCRConfig:
             "max_hint_bytes": parse_size_bytes("max_hint_bytes", self.max_hint_bytes),
             "log_level": _parse_choice("log_level", self.log_level, LOG_LEVELS, upper=True),
             "verify_loads": _parse_verify_loads(self.verify_loads),
+            "hash_threads": _parse_hash_threads(self.hash_threads),
         }
         for name, value in canonical.items():
             object.__setattr__(self, name, value)  # frozen: the only writes, before publication
@@ -198,6 +203,8 @@ def parse_bool(field: str, value: object) -> bool:
 
 
 VERIFY_AUTO = "auto"
+HASH_THREADS_AUTO = "auto"
+MAX_HASH_THREADS = 64
 
 
 def _parse_verify_loads(value: object) -> bool | str:
@@ -208,6 +215,17 @@ def _parse_verify_loads(value: object) -> bool | str:
     except ConfigError:
         raise ConfigError("verify_loads", value, "use auto (verify loads from namespaces other "
                           "uids share), true (always) or false (never)") from None
+
+
+def _parse_hash_threads(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == HASH_THREADS_AUTO:
+        return HASH_THREADS_AUTO
+    try:
+        return parse_count("hash_threads", value, minimum=0, maximum=MAX_HASH_THREADS)
+    except ConfigError:
+        raise ConfigError("hash_threads", value, "use auto (a quarter of the cores, at most 4), "
+                          f"0 (hash in the engine's thread) or a count up to "
+                          f"{MAX_HASH_THREADS}") from None
 
 
 def verifies_loads(setting: bool | str, shared: bool) -> bool:

@@ -345,6 +345,17 @@ def _resident_prefix(libc: ctypes.CDLL, address: int, length: int) -> int:
     return length if first_missing < 0 else first_missing * PAGE_BYTES
 
 
+def _source_pointer(data: bytes | bytearray | memoryview) -> bytes | int | None:
+    """What `ctypes.memmove` can read `data` from (a foreign call: it releases the GIL), or
+    None for a buffer it cannot (read-only views, non-contiguous ones)."""
+    if isinstance(data, bytes):
+        return data
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(data))
+    except (TypeError, ValueError, BufferError):
+        return None
+
+
 class SlotPool:
     """Fixed-size slots over one region; slot `i` starts at `i * stride_bytes` (4 KiB-aligned).
 
@@ -384,10 +395,16 @@ class SlotPool:
         return self.region.view[start:start + self.slot_bytes]
 
     def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
+        """Copies one block in; a `bytes` block or a writable contiguous buffer is copied with
+        the GIL released (so a sealer's hashes, kvcr_core.sealing, run beside the copy)."""
         start = self.offset(slot)
         if len(data) != self.slot_bytes:
             raise ValueError(f"block is {len(data)} bytes, slots hold {self.slot_bytes}")
-        self.region.view[start:start + self.slot_bytes] = data
+        source = _source_pointer(data)
+        if source is None:
+            self.region.view[start:start + self.slot_bytes] = data
+        else:
+            ctypes.memmove(self.region.address + start, source, self.slot_bytes)
 
     def holed(self, slots: Sequence[SlotId]) -> list[SlotId]:
         """The slots among `slots` with a page missing from memory: punched out of the memfd

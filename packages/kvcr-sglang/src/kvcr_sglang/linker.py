@@ -255,11 +255,10 @@ class KVCRUnifiedCacheLinker(UnifiedCacheLinker):  # type: ignore[misc]  # SGLan
                                   for part, view in enumerate(views)])
                 job = self.copies.record()
             job.wait()  # the bytes are in the pool: now they can be hashed
-            sums = [self.store.checksum_at(offset) for offset, _ in pages]
         except BaseException:
             self.store.abort(op)
             raise
-        return self.store.commit(op, sums) and refused == 0
+        return self.store.seal(op, [offset for offset, _ in pages]) and refused == 0
 
     def num_completed_offloads(self) -> int:
         return self._offload_results.qsize()

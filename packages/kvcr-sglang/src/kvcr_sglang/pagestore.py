@@ -5,9 +5,10 @@ block key; any other string -> BLAKE2b-128 of it), the prefix lookup, and the co
 SGLang page memory (addresses, as SGLang's zero-copy interface hands them out) and pool slots.
 A block is one page's segments back to back, in a canonical order fixed by the caller.
 
-Writes are reserve + copy + commit: a page is visible to any reader only after all its bytes
-landed; a failed copy aborts; the commit carries each page's checksum, taken right after its
-copy. Reads are acquire + copy + release under a lease, so eviction never recycles a slot
+Writes are reserve + copy + seal: a page is visible to any reader only after all its bytes
+landed; a failed copy aborts; the sealer (kvcr_core.sealing) hashes the copied pages on its
+threads and commits them with those checksums, so SGLang's thread never waits for a hash (a
+write returns True for pages kept or being sealed). Reads are acquire + copy + release under a lease, so eviction never recycles a slot
 being read; with `verify_loads` each page read is checked against its committed checksum (a
 page changed in the pool since is a miss, counted in `corrupt_pages`): `read` hashes what it
 copied into SGLang's page, `lease` (the linker, which copies layer by layer afterwards) the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -42,6 +44,7 @@ from kvcr_core.attach import (
 )
 from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.config import verifies_loads
+from kvcr_core.sealing import Sealer, hash_thread_count
 from kvcr_core.keys import NamespaceSpec
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
@@ -142,6 +145,9 @@ class PageStore:
                                      settings.peer.fetch_deadline_s)
         self.pull_on_miss = settings.peer.pull_on_miss
         self.stats = PageStoreStats()
+        self.sealer = Sealer(hash_thread_count(settings.runner.hash_threads),
+                             name="kvcr-sealer-sglang")
+        self._settle_s = settings.timeout_s
         self.io = IoSamples()
         self._base_lock = threading.Lock()
         self._base: tuple[int, int, object] | None = None  # (attach count, address, export)
@@ -153,6 +159,7 @@ class PageStore:
         """How many leading pages are READY (0 when kvcr is unavailable)."""
         if not page_keys:
             return 0
+        self._settle()
         self.stats.lookups += 1
         keys = [block_key(k) for k in page_keys]
         try:
@@ -200,6 +207,7 @@ class PageStore:
         return self.client.lookup(keys)
 
     def present(self, page_keys: Sequence[str]) -> list[bool]:
+        self._settle()
         try:
             return self.client.contains([block_key(k) for k in page_keys])
         except RunnerError as exc:
@@ -216,13 +224,15 @@ class PageStore:
         if reserved is None:
             return [False] * n
         op, offsets, refused = reserved
-        sums: list[int] = []
+        seal, granted = self.sealer.batch(), 0
         try:
             base = self._pool_address()
+            region = self.client.pool().region.view
             for offset, segments in zip(offsets, pages, strict=True):
                 if offset is not None:
                     self._copy(base + offset, segments, into_slot=True)
-                    sums.append(self.checksum_at(offset))
+                    seal.add(region[offset:offset + self.block_bytes])
+                    granted += 1
         except (RunnerError, ValueError) as exc:  # ValueError: a page of the wrong size
             self.abort(op)
             self._fault("store", exc)
@@ -230,10 +240,7 @@ class PageStore:
         except BaseException:
             self.abort(op)
             raise
-        granted = len(sums)
-        if not self.commit(op, sums):  # the op was reclaimed: nothing of it is trusted
-            self.stats.failures += 1
-            return [False] * n
+        seal.publish(functools.partial(self._publish, op))
         self.io.add(self.io.writes, granted, granted * self.block_bytes,
                     time.perf_counter() - start)
         return [True] * (n - refused) + [False] * refused
@@ -249,6 +256,7 @@ class PageStore:
         n = len(page_keys)
         if not n:
             return []
+        self._settle()
         start = time.perf_counter()
         verify = self.verify_loads
         try:
@@ -284,6 +292,7 @@ class PageStore:
         pool region); None on a miss, a fault, or (with `verify_loads`) a page changed in the
         pool since its commit. The caller copies out at its own pace (layer by layer) and then
         `unlease`s."""
+        self._settle()
         verify = self.verify_loads
         try:
             lease = self.client.acquire([block_key(k) for k in page_keys], checksums=verify)
@@ -311,16 +320,34 @@ class PageStore:
             return None
         return res.op, [None if s is None else int(s) * stride for s in res.slots], res.refused
 
-    def commit(self, op: int, checksums: Sequence[int]) -> bool:
-        """Publishes reservation `op` (`checksums`: of each granted page, in order, from
-        `checksum_at` right after its copy); False if not all of it was published."""
+    def seal(self, op: int, offsets: Sequence[int]) -> bool:
+        """Publishes reservation `op` once the sealer hashed its pages (at byte `offsets` of
+        the mapped pool, every granted page in order, all copied); False (aborted) if the
+        pool is gone."""
         try:
-            published = self.client.commit(OpId(op), checksums=checksums)
+            region = self.client.pool().region.view
         except RunnerError as exc:
+            self.abort(op)
             self._fault("store", exc)
             return False
-        self.stats.stored_pages += published
-        return published == len(checksums)
+        views = [region[o:o + self.block_bytes] for o in offsets]
+        self.sealer.seal(views, functools.partial(self._publish, op))
+        return True
+
+    def _settle(self) -> None:
+        """Reads see this store's own writes: pages still being hashed are committed first
+        (a lock check when none is; at most the hashing of what is queued otherwise)."""
+        self.sealer.flush(self._settle_s)
+
+    def _publish(self, op: int, checksums: list[int]) -> None:
+        """On a sealer thread: the commit (a commit that publishes less, its op reclaimed,
+        shows in the client's `deferred_shortfalls`)."""
+        try:
+            self.client.commit_nowait(OpId(op), checksums=checksums)
+        except RunnerError as exc:
+            self._fault("store", exc)
+            return
+        self.stats.stored_pages += len(checksums)
 
     def checksum_at(self, offset: int) -> int:
         """The checksum of the block at byte `offset` of the mapped pool."""
@@ -360,6 +387,7 @@ class PageStore:
 
     def clear(self) -> int:
         """Drops this namespace's pages (SGLang's `clear`); 0 when kvcr is unavailable."""
+        self._settle()
         try:
             return self.client.clear()
         except RunnerError as exc:
@@ -367,6 +395,7 @@ class PageStore:
             return 0
 
     def close(self) -> None:
+        self.sealer.close()  # what was sealed is committed before the connection goes
         with self._base_lock:
             self._base = None
         self.client.close()

@@ -8,14 +8,17 @@ any layer the forward did not hand over, all at once in `wait_for_save`. The ste
 then get one job (`record`: a CUDA event), and `fence` orders vLLM's later device work after
 them, so a block freed at the end of this step is not overwritten before its copy read it
 (vLLM requires async savers to keep their source blocks; here the device keeps the order and
-the host never waits). Each save is committed with its blocks' checksums (hashed from the
-slots, every layer in) only once its step's job completed, polled at each hook, never waited
-for in the forward: a block is READY only after all its bytes landed. A save whose copy fails,
+the host never waits). Once its step's job completed (polled at each hook, never waited for
+in the forward) each save is sealed (kvcr_core.sealing): its blocks are hashed from the slots,
+every layer in, on the sealer's threads, and committed with those checksums from there, so
+neither the forward nor the worker thread waits for a hash; a block is READY only after all
+its bytes landed and were hashed. A save whose copy fails,
 or whose attachment changed under it (its slots belong to an earlier mapping), is aborted,
 never published. The keys committed go to the scheduler in the worker's next report
 (`take_report`), as loads do: saves report back, nothing polls.
 
-Threading: vLLM's worker thread only.
+Threading: vLLM's worker thread, except `_publish` (the sealer's threads), which hands its
+outcome back through a deque that the worker thread drains.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvcr_core import BlockKey, OpId, Reservation, SlotId
 from kvcr_core.attach import Handle, RunnerError, RunnerOps, RunnerUnavailable
-from kvcr_core.checksums import block_checksum
 from kvcr_core.copyengine import CopyFailed, CopyJob, PoolBinding, block_pairs
+from kvcr_core.sealing import Sealer
 from kvcr_vllm.metadata import KVCRConnectorMetadata, SavePlan
 from kvcr_vllm.stats import StatsRecorder
 
@@ -67,8 +71,9 @@ class _Step:
 class SavePipeline:
     def __init__(self, client: RunnerOps, binding: PoolBinding,
                  layers: dict[str, list[Plane]], tp_rank: int, block_tokens: int,
-                 stats: StatsRecorder) -> None:
+                 stats: StatsRecorder, sealer: Sealer) -> None:
         self.client = client
+        self.sealer = sealer
         self.binding = binding
         self.engine = binding.engine
         self.layers = layers
@@ -78,6 +83,8 @@ class SavePipeline:
         self._step: _Step | None = None
         self._pending: collections.deque[_Step] = collections.deque()
         self._saved: list[bytes] = []  # keys committed since the last report
+        self._sealed: collections.deque[tuple[_Save, BaseException | None]] = \
+            collections.deque()  # saves the sealer committed (or failed to), not yet counted
         self._reported_attach = -1  # the attachment the last report was about
 
     @property
@@ -137,7 +144,9 @@ class SavePipeline:
             self._pending.append(step)
 
     def poll(self) -> None:
-        """Commits the saves of every step whose copies completed, oldest first."""
+        """Seals the saves of every step whose copies completed, oldest first, and counts
+        those the sealer committed."""
+        self._count_sealed()
         while self._pending:
             step = self._pending[0]
             assert step.job is not None
@@ -149,11 +158,12 @@ class SavePipeline:
                     self._fail(save, exc)
             else:
                 for save in step.live():
-                    self._commit(save)
+                    self._seal(save)
             self._pending.popleft()
 
-    def drain(self) -> None:
-        """Waits for every save copied so far and commits it; aborts an unfinished step."""
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Waits for every save copied so far and commits it (hashes included, within
+        `timeout_s`); aborts an unfinished step."""
         if self._step is not None:
             for save in self._step.saves:
                 self._fail(save, RuntimeError("the worker shut down mid-step"), count=False)
@@ -163,10 +173,13 @@ class SavePipeline:
             with contextlib.suppress(CopyFailed):
                 step.job.wait()  # a failure is handled by the poll
         self.poll()
+        self.sealer.flush(timeout_s)
+        self._count_sealed()
 
     def take_report(self) -> tuple[list[bytes], bool]:
         """The keys committed since the last call, and whether the attachment changed since
         (then what was reported before may be gone with the old one)."""
+        self._count_sealed()
         saved, self._saved = self._saved, []
         attach = self.client.attach_count
         suspect = self._reported_attach not in (-1, attach)
@@ -220,20 +233,37 @@ class SavePipeline:
             for save in live:
                 self._fail(save, exc)
 
-    def _commit(self, save: _Save) -> None:
-        assert save.op is not None
+    def _seal(self, save: _Save) -> None:
+        """Hands the save's blocks (every layer copied: they are whole) to the sealer."""
         try:
             if save.attach != self.client.attach_count:
                 raise RunnerUnavailable("reattached", "its slots are gone")
-            view = self.client.pool().view  # every layer copied: the blocks are whole
-            sums = [block_checksum(view(SlotId(slot))) for slot in save.slots]
-            self.client.commit_nowait(save.op, checksums=sums)
+            view = self.client.pool().view
+            views = [view(SlotId(slot)) for slot in save.slots]
         except Exception as exc:
             self._fail(save, exc)
             return
-        self._saved += save.keys
-        self.stats.add("stored_blocks", len(save.blocks))
-        self.stats.add("stored_tokens", len(save.blocks) * self.block_tokens)
+        self.sealer.seal(views, functools.partial(self._publish, save))
+
+    def _publish(self, save: _Save, checksums: list[int]) -> None:
+        """On a sealer thread: the commit, with the checksums just taken."""
+        assert save.op is not None
+        try:
+            self.client.commit_nowait(save.op, checksums=checksums)
+        except Exception as exc:
+            self._sealed.append((save, exc))
+        else:
+            self._sealed.append((save, None))
+
+    def _count_sealed(self) -> None:
+        while self._sealed:
+            save, exc = self._sealed.popleft()
+            if exc is not None:
+                self._fail(save, exc)
+                continue
+            self._saved += save.keys
+            self.stats.add("stored_blocks", len(save.blocks))
+            self.stats.add("stored_tokens", len(save.blocks) * self.block_tokens)
 
     def _fail(self, save: _Save, exc: BaseException, *, count: bool = True) -> None:
         """Counts the failure once and aborts the reservation: nothing is published."""

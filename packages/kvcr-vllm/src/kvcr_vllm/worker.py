@@ -42,6 +42,7 @@ from kvcr_core.copyengine import (
     engine_for,
 )
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.sealing import Sealer, hash_thread_count
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, WorkerReport
 from kvcr_vllm.saves import SavePipeline, save_failed
 from kvcr_vllm.settings import ConnectorSettings
@@ -71,6 +72,8 @@ class KVCRConnectorWorker:
                                   timeout_s=settings.timeout_s, map_pages=True,
                                   runner_uids=settings.trusted_runner_uids)
         self.copy_engine = copy_engine
+        self.sealer = Sealer(hash_thread_count(settings.runner.hash_threads),
+                              name=f"kvcr-sealer-tp{tp_rank}")
         self._planes: list[Plane] = []  # (bytes [blocks, page], offset in the slot, page)
         self._layers: dict[str, list[Plane]] = {}
         self._binding: PoolBinding | None = None
@@ -117,7 +120,7 @@ class KVCRConnectorWorker:
         self._binding = PoolBinding(engine, self.client,
                                     on_pin_failed=lambda: self.stats.failure("pin_failed"))
         self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
-                                   self.block_tokens, self.stats)
+                                   self.block_tokens, self.stats, self.sealer)
         if engine.asynchronous and self.settings.mode is Mode.GUARDED:  # pin now, not in the
             with contextlib.suppress(RunnerError), self._binding.use():  # first step's copies
                 pass  # (an embedded Runner is not up yet: the first copy pins)
@@ -199,6 +202,7 @@ class KVCRConnectorWorker:
         self._poll_loads()
         with contextlib.suppress(RunnerError):
             self.client.flush()  # the last commits/releases reach the Runner
+        self.sealer.close(timeout_s=0.0)  # drained above: only stops its threads
         if self._binding is not None:
             self._binding.release()
         self.client.close()
