@@ -17,6 +17,7 @@ blocks hashed in the writer's thread (no threads, or the sealer's queue was full
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -89,7 +90,7 @@ def measure_copy(target: CopyTarget, pool: SlotPool, block_bytes: int, total_byt
                     name="kvcr-bench-sealer")
 
     def kvcr_in() -> None:
-        write, view, stride = pool.write, pool.view, pool.stride_bytes
+        view, stride = pool.view, pool.stride_bytes
         order.clear()
         pending = reserve_next(keys[0:BATCH])
         for b in range(0, n, BATCH):
@@ -99,10 +100,9 @@ def measure_copy(target: CopyTarget, pool: SlotPool, block_bytes: int, total_byt
             seal = sealer.batch()
             for j, slot in enumerate(res.slots):
                 if slot is not None:
-                    write(slot, sources[b + j])
-                    seal.add(view(slot))
+                    seal.write(view(slot), sources[b + j])
                     order.append(slot * stride)
-            seal.publish(lambda sums, op=res.op: commit(op, checksums=sums))
+            seal.publish(functools.partial(_commit_with, commit, res.op))
         if not sealer.flush(60.0):
             raise RuntimeError("the sealer did not finish within 60 s")
         if len(order) != n:
@@ -156,6 +156,10 @@ def measure_copy(target: CopyTarget, pool: SlotPool, block_bytes: int, total_byt
             "verified_read_gbps": gb / rc, "verify_loads_ratio": rk / rc,
             "hash_gbps": hash_gbps, "hash_threads": sealer.threads,
             "inline_blocks": sealer.inline_blocks}
+
+
+def _commit_with(commit: Callable[..., object], op: Any, checksums: list[int]) -> None:
+    commit(op, checksums=checksums)
 
 
 def _ahead(target: object, async_name: str,

@@ -37,7 +37,7 @@ from kvcr_core.keys import NamespaceSpec
 from kvcr_core.memory import SlotPool
 from kvcr_core.testing import pattern_block, random_keys
 
-TARGETS = {"min_ratio_vs_memcpy_256k": (">=", 0.80), "batch64_roundtrip_p50_us": ("<=", 150.0),
+TARGETS = {"min_ratio_vs_memcpy_256k": (">=", 0.85), "batch64_roundtrip_p50_us": ("<=", 150.0),
            "attach_8gib_s": ("<=", 1.0)}
 
 

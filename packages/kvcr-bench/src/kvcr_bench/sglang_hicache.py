@@ -21,7 +21,7 @@ from typing import Any
 
 from kvcr_bench.copies import meets
 
-TARGETS = {"ratio_vs_memcpy_v1": (">=", 0.7), "ratio_vs_file_backend_v1": (">=", 3.0)}
+TARGETS = {"ratio_vs_memcpy_v1": (">=", 0.85), "ratio_vs_file_backend_v1": (">=", 3.0)}
 BATCH_PAGES = 128
 
 

@@ -90,7 +90,7 @@ class KVCRConfig:
     hash_threads: int | str = "auto"
     """Threads that hash an engine's saved blocks beside its copies (kvcr_core.sealing), so the
     engine's step never waits for a checksum. 0: hash in line, in the engine's thread.
-    "auto": a quarter of the host's cores, at most 4; none below 4 cores."""
+    "auto": a quarter of the host's cores, 1 to 4."""
 
     def __post_init__(self) -> None:
         pool_bytes = parse_size_bytes("pool_bytes", self.pool_bytes, minimum=MIN_POOL_BYTES)
@@ -223,7 +223,7 @@ def _parse_hash_threads(value: object) -> int | str:
     try:
         return parse_count("hash_threads", value, minimum=0, maximum=MAX_HASH_THREADS)
     except ConfigError:
-        raise ConfigError("hash_threads", value, "use auto (a quarter of the cores, at most 4), "
+        raise ConfigError("hash_threads", value, "use auto (a quarter of the cores, 1 to 4), "
                           f"0 (hash in the engine's thread) or a count up to "
                           f"{MAX_HASH_THREADS}") from None
 

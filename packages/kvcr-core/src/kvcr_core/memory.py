@@ -345,15 +345,21 @@ def _resident_prefix(libc: ctypes.CDLL, address: int, length: int) -> int:
     return length if first_missing < 0 else first_missing * PAGE_BYTES
 
 
-def _source_pointer(data: bytes | bytearray | memoryview) -> bytes | int | None:
-    """What `ctypes.memmove` can read `data` from (a foreign call: it releases the GIL), or
-    None for a buffer it cannot (read-only views, non-contiguous ones)."""
-    if isinstance(data, bytes):
-        return data
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(data))
-    except (TypeError, ValueError, BufferError):
-        return None
+def copy_into(dst: memoryview, data: bytes | bytearray | memoryview) -> None:
+    """`dst[:] = data`, with the GIL released where `ctypes.memmove` can read `data` (bytes,
+    writable contiguous buffers), so other threads (a sealer's hashes) run beside the copy.
+    Costs about 4 us more per 256 KiB block than the slice assignment (8% here), which
+    holds the GIL: use it only where other threads need it."""
+    if len(data) != len(dst):
+        raise ValueError(f"block is {len(data)} bytes, slots hold {len(dst)}")
+    source: bytes | int | None = data if isinstance(data, bytes) else None
+    if source is None:
+        with contextlib.suppress(TypeError, ValueError, BufferError):
+            source = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    if source is None:
+        dst[:] = data
+    else:
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(dst)), source, len(dst))
 
 
 class SlotPool:
@@ -395,16 +401,10 @@ class SlotPool:
         return self.region.view[start:start + self.slot_bytes]
 
     def write(self, slot: SlotId, data: bytes | bytearray | memoryview) -> None:
-        """Copies one block in; a `bytes` block or a writable contiguous buffer is copied with
-        the GIL released (so a sealer's hashes, kvcr_core.sealing, run beside the copy)."""
         start = self.offset(slot)
         if len(data) != self.slot_bytes:
             raise ValueError(f"block is {len(data)} bytes, slots hold {self.slot_bytes}")
-        source = _source_pointer(data)
-        if source is None:
-            self.region.view[start:start + self.slot_bytes] = data
-        else:
-            ctypes.memmove(self.region.address + start, source, self.slot_bytes)
+        self.region.view[start:start + self.slot_bytes] = data
 
     def holed(self, slots: Sequence[SlotId]) -> list[SlotId]:
         """The slots among `slots` with a page missing from memory: punched out of the memfd

@@ -8,16 +8,16 @@ A block is one page's segments back to back, in a canonical order fixed by the c
 Writes are reserve + copy + seal: a page is visible to any reader only after all its bytes
 landed; a failed copy aborts; the sealer (kvcr_core.sealing) hashes the copied pages on its
 threads and commits them with those checksums, so SGLang's thread never waits for a hash (a
-write returns True for pages kept or being sealed). Reads are acquire + copy + release under a lease, so eviction never recycles a slot
-being read; with `verify_loads` each page read is checked against its committed checksum (a
-page changed in the pool since is a miss, counted in `corrupt_pages`): `read` hashes what it
-copied into SGLang's page, `lease` (the linker, which copies layer by layer afterwards) the
-leased slots. On a miss, pages a posted hint names a peer for are fetched first; without one
-(`pull_on_miss`), the run a peer holds, as the Runner follows its peers' inventories. Every
-kvcr fault (guard down, refused, protocol) becomes a miss or a failed store: SGLang then
-recomputes, never reads wrong bytes. Thread-safe: SGLang's
-prefetch, I/O and backup threads share one `AttachClient` (its own lock orders requests);
-copies run outside it (ctypes.memmove releases the GIL).
+write returns True for pages kept or being sealed). Reads are acquire + copy + release under a
+lease, so eviction never recycles a slot being read; with `verify_loads` each page read is
+checked against its committed checksum (a page changed in the pool since is a miss, counted in
+`corrupt_pages`): `read` hashes what it copied into SGLang's page, `lease` (the linker, which
+copies layer by layer afterwards) the leased slots. On a miss, pages a posted hint names a peer
+for are fetched first; without one (`pull_on_miss`), the run a peer holds, as the Runner follows
+its peers' inventories. Every kvcr fault (guard down, refused, protocol) becomes a miss or a
+failed store: SGLang then recomputes, never reads wrong bytes. Thread-safe: SGLang's prefetch,
+I/O and backup threads share one `AttachClient` (its own lock orders requests); copies run
+outside it (ctypes.memmove releases the GIL).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from kvcr_core.attach import (
 )
 from kvcr_core.checksums import block_checksum, parts_checksum
 from kvcr_core.config import verifies_loads
-from kvcr_core.sealing import Sealer, hash_thread_count
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.sealing import Sealer, hash_thread_count
 from kvcr_core.types import KEY_BYTES, BlockKey, OpId
 
 log = logging.getLogger("kvcr_sglang")
