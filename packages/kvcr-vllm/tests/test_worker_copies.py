@@ -155,6 +155,47 @@ def test_failed_save_publishes_nothing(guard) -> None:
     reader.close()
 
 
+def test_a_bad_save_fails_alone_in_a_step_copied_as_one_call(guard) -> None:
+    """Risk: a step's saves, now copied as one engine call, all fail (or all publish) because
+    one request's blocks are out of range."""
+    good_keys = sequence_keys(SPEC, list(range(2 * BLOCK)))
+    bad_keys = sequence_keys(SPEC, list(range(1000, 1000 + 2 * BLOCK)))
+    stats = StatsRecorder()
+    worker = make_worker(guard.socket, stats)
+    worker.register_kv_caches(kv_caches(4))
+    worker.wait_for_save(KVCRConnectorMetadata(saves=[
+        SavePlan("good", (2, 3), (tuple(good_keys),)),
+        SavePlan("bad", (4, NUM_BLOCKS + 1), (tuple(bad_keys),))]))
+    worker.shutdown()
+    reader = AttachClient(guard.socket, SPEC, 2 * PAGE)
+    assert reader.lookup(good_keys) == 2 and reader.lookup(bad_keys) == 0
+    assert reader.stats().filling_blocks == 0
+    assert stats.take().data["failures"] == {"save_copy": 1}  # type: ignore[union-attr]
+    reader.close()
+
+
+class FailingCudaCalls(CpuCopyEngine):
+    """A copy engine whose runtime calls failed (and were cleared) `cuda_failures` times."""
+
+    cuda_failures = 0
+
+
+def test_failed_cuda_calls_reach_the_failure_metric(guard) -> None:
+    """Risk: a CUDA runtime call that failed (cleared so the engine keeps running) is only in
+    a log line an operator never sees: it must count in vllm:kvcr_failures_total."""
+    stats = StatsRecorder()
+    engine = FailingCudaCalls()
+    worker = make_worker(guard.socket, stats, copy_engine=engine)
+    worker.register_kv_caches(kv_caches(4))
+    engine.cuda_failures = 2
+    worker.get_finished(set())
+    worker.get_finished(set())  # counted once
+    engine.cuda_failures = 3
+    worker.get_finished(set())
+    assert stats.take().data["failures"] == {"cuda_call": 3}  # type: ignore[union-attr]
+    worker.shutdown()
+
+
 def test_unexpected_layouts_disable_kvcr_instead_of_copying_garbage(guard) -> None:
     """KV tensors without a block axis, or pages that do not add up, disable the worker."""
     stats = StatsRecorder()

@@ -196,10 +196,15 @@ def copy_blocks(engine: CopyEngine, planes: Sequence[Plane], rows: torch.Tensor,
     without planning pairs where the engine takes whole calls (`copy_blocks`: the CUDA
     engine gathers them; planning a pair costs microseconds of Python, a 32 KiB page's DMA
     under one). Raises ValueError for a group out of range before anything is issued."""
-    calls = [BlockCopy(planes, rows, b, s, into_pool) for b, s in groups]
+    copy_calls(engine, [BlockCopy(planes, rows, b, s, into_pool) for b, s in groups])
+
+
+def copy_calls(engine: CopyEngine, calls: Sequence[BlockCopy]) -> None:
+    """`copy_blocks` of calls checked already (each `BlockCopy` raised for its own range:
+    a caller with several requests' blocks fails the bad one alone), as one engine call."""
     whole: Callable[[list[BlockCopy]], None] | None = getattr(engine, "copy_blocks", None)
     if whole is not None:
-        whole(calls)
+        whole(list(calls))
     else:
         engine.copy([pair for call in calls for pair in call.pairs()])
 

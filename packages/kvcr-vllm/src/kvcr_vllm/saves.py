@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, cast
 
 from kvcr_core import BlockKey, OpId, Reservation, SlotId
 from kvcr_core.attach import Handle, RunnerError, RunnerOps, RunnerUnavailable
-from kvcr_core.copyengine import CopyFailed, CopyJob, PoolBinding, block_pairs
+from kvcr_core.copyengine import BlockCopy, CopyFailed, CopyJob, PoolBinding, copy_calls
 from kvcr_core.sealing import Sealer
 from kvcr_vllm.metadata import KVCRConnectorMetadata, SavePlan
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
-    from kvcr_core.copyengine import Pair, Plane
+    from kvcr_core.copyengine import Plane
 
 log = logging.getLogger("kvcr_vllm")
 
@@ -219,16 +219,15 @@ class SavePipeline:
             return
         try:
             with self.binding.use() as rows:
-                pairs: list[Pair] = []
+                calls: list[BlockCopy] = []
                 for save in live:
                     try:
                         if save.attach != self.client.attach_count:
                             raise RunnerUnavailable("reattached", "its slots are gone")
-                        pairs += block_pairs(planes, rows, save.blocks, save.slots,
-                                             into_pool=True)
+                        calls.append(BlockCopy(planes, rows, save.blocks, save.slots, True))
                     except (RunnerError, ValueError) as exc:
                         self._fail(save, exc)
-                self.engine.copy(pairs)
+                copy_calls(self.engine, calls)
         except Exception as exc:
             for save in live:
                 self._fail(save, exc)

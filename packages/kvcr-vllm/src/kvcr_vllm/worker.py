@@ -38,7 +38,7 @@ from kvcr_core.copyengine import (
     CopyFailed,
     CopyJob,
     PoolBinding,
-    block_pairs,
+    copy_blocks,
     engine_for,
 )
 from kvcr_core.keys import NamespaceSpec
@@ -83,6 +83,7 @@ class KVCRConnectorWorker:
         self._done_sync: set[str] = set()
         self._load_errors: set[int] = set()
         self._disabled = ""
+        self._cuda_failures = 0  # the copy engine's failed CUDA calls counted so far
 
     # -- registration --------------------------------------------------------------------------
 
@@ -211,6 +212,10 @@ class KVCRConnectorWorker:
         self._poll_loads()
         if self._saves is not None:
             self._saves.poll()
+        failed = getattr(self.copy_engine, "cuda_failures", 0)  # the CUDA engine's
+        if failed > self._cuda_failures:
+            self.stats.failure("cuda_call", failed - self._cuda_failures)
+            self._cuda_failures = failed
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -224,9 +229,9 @@ class KVCRConnectorWorker:
         try:
             binding = self._ready()
             with binding.use() as rows:
-                binding.engine.copy(block_pairs(self._planes, rows, plan.block_ids,
-                                                plan.slots_by_rank[self.tp_rank],
-                                                into_pool=False))
+                copy_blocks(binding.engine, self._planes, rows,
+                            [(plan.block_ids, plan.slots_by_rank[self.tp_rank])],
+                            into_pool=False)
         except Exception as exc:
             self._load_failed(plan, exc)
             return False
