@@ -49,6 +49,7 @@ timeout 120 "$py" -m pytest -q -rs -p no:cacheprovider --timeout=90 \
     packages/kvcr-core/tests/test_copy_engine_cuda.py \
     packages/kvcr-core/tests/test_copy_engine_gather.py \
     packages/kvcr-core/tests/test_copy_engine.py \
+    packages/kvcr-core/tests/test_sealing.py \
     packages/kvcr-bench/tests/test_bench_copy.py 2>&1 | tee "$work/pytest.log"
 tests=${PIPESTATUS[0]}
 
