@@ -87,7 +87,8 @@ def test_bench_without_kvcr_bench_installed_says_what_to_install(
 
     monkeypatch.setattr(cli, "_bench_plugins", lambda: [])
     assert cli.main(["bench", "pool", "--quick"]) == 2
-    assert "pip install 'kvcr-bench" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "from this repository" in err and "pip install './packages/kvcr-bench[guard]'" in err
 
 
 def test_import_kvcr_core_pulls_no_engine_or_heavy_dependency(tmp_path: Path) -> None:

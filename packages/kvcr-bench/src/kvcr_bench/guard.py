@@ -111,7 +111,8 @@ def _attach_s(pool_bytes: int) -> tuple[float, float]:
 
 def run_guard_bench(*, quick: bool, as_json: bool, under_attack: bool = False) -> int:
     if importlib.util.find_spec("kvcr_guard") is None:
-        print("kvcr bench guard: kvcr-guard is not installed (pip install kvcr-guard)",
+        print("kvcr bench guard: kvcr-guard is not installed (install it from this "
+              "repository: pip install ./packages/kvcr-guard)",
               file=sys.stderr)
         return 2
     if under_attack:

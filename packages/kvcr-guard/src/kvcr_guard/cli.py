@@ -111,9 +111,10 @@ def _peer_flags(ap: argparse.ArgumentParser) -> None:
                     help="TLS for the peer channel: this node's PEM certificate and key, and "
                     "the CA peers' certificates must chain to (mutual)")
     ap.add_argument("--peer-nixl", action="store_true",
-                    help="move peer transfers to NIXL when both sides have it (pip install "
-                    "'kvcr-core[nixl]'); NIXL exposes the pool to authenticated peers for "
-                    "writes too, so use it only among trusted nodes (docs/peers.md)")
+                    help="move peer transfers to NIXL when both sides have it (install "
+                    "'./packages/kvcr-core[nixl]' from this repository); NIXL exposes the pool "
+                    "to authenticated peers for writes too, so use it only among trusted nodes "
+                    "(docs/peers.md)")
     ap.add_argument("--peer-secret-env", default=DEFAULT_SECRET_ENV,
                     help=f"environment variable holding the secret (default {DEFAULT_SECRET_ENV})")
 

@@ -62,8 +62,10 @@ def check_vllm_version() -> None:
     if not supports_vllm(vllm.__version__):
         raise RuntimeError(
             f"kvcr-vllm supports vLLM {SUPPORTED_VLLM_TEXT}; this is "
-            f"vLLM {vllm.__version__}. Install a matching kvcr-vllm, or remove KVCRConnector "
-            "from --kv-transfer-config.")
+            f"vLLM {vllm.__version__}. Run a supported vLLM, install kvcr-vllm from a revision "
+            "of this repository that supports this one (it is not on PyPI: pip install "
+            "./packages/kvcr-vllm in a clone of https://github.com/kvcr-project/kvcr), or remove "
+            "KVCRConnector from --kv-transfer-config.")
 
 
 def attach_at_start(clients: Iterable[AttachClient], socket: str) -> None:

@@ -53,7 +53,9 @@ def checked_cap(vllm_config: VllmConfig, version: str = vllm.__version__) -> int
         raise ValueError(
             f"--scheduler-cls {PREFILL_CAP_SCHEDULER} is tested with vLLM "
             f"{SUPPORTED_VLLM_TEXT} and this is vLLM {version}: drop --scheduler-cls "
-            "(vLLM's own prefill cap rule applies) or install a kvcr-vllm that supports it")
+            "(vLLM's own prefill cap rule applies) or install kvcr-vllm from a revision of "
+            "this repository that supports it (pip install ./packages/kvcr-vllm; it is not "
+            "on PyPI)")
     cap = vllm_config.scheduler_config.long_prefill_token_threshold
     if cap <= 0:
         raise ValueError(

@@ -15,8 +15,10 @@ class KVCRConnector:
 
         raise RuntimeError(
             f"kvcr-vllm {_version()} supports vLLM {SUPPORTED_VLLM_TEXT};"
-            f" this is vLLM {vllm.__version__}. Install the kvcr-vllm release for this vLLM, or "
-            "remove KVCRConnector from --kv-transfer-config.")
+            f" this is vLLM {vllm.__version__}. Run a supported vLLM, install kvcr-vllm from a "
+            "revision of this repository that supports this one (it is not on PyPI: "
+            "pip install ./packages/kvcr-vllm in a clone of https://github.com/kvcr-project/kvcr), "
+            "or remove KVCRConnector from --kv-transfer-config.")
 
 
 def _version() -> str:

@@ -38,7 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="measure kvcr against a same-run baseline "
-                           "(pip install kvcr-bench)")
+                           "(kvcr-bench, installed from this repository)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     installed = {ep.name: ep for ep in _bench_plugins()}
     for name in sorted({*BENCHMARKS, *installed}):
@@ -117,8 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         found = [ep for ep in _bench_plugins() if ep.name == args.bench]
         if not found:
-            print(f"kvcr bench {args.bench}: the benchmarks are not installed; "
-                  "pip install 'kvcr-bench[guard]' (see its README for vllm / sglang)",
+            print(f"kvcr bench {args.bench}: the benchmarks are not installed; install "
+                  "kvcr-bench from this repository (it is not on PyPI): in a clone of "
+                  "https://github.com/kvcr-project/kvcr, pip install "
+                  "'./packages/kvcr-bench[guard]' (its README has the vllm / sglang extras)",
                   file=sys.stderr)
             return 2
         options: dict[str, object] = (
