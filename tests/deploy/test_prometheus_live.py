@@ -2,10 +2,10 @@
 on loopback) scraping real processes under the jobs the ServiceMonitors set: kvcr-guard
 (a kvcr-guard daemon serving peers), kvcr-engine (a vLLM CPU server attached to it, guarded
 mode) and kvcr-router (kvcr-router in front of it). Traffic makes the engine store, reload
-after its prefix cache is reset, refuse a hint, bypass a salted request, and the router
-strip a client hint; then each query must return series, so a misspelt metric or label
-fails here. An alert's expression is evaluated with its thresholds made `bool` (the series
-it watches, firing or not)."""
+after its prefix cache is reset, refuse a hint, bypass a request given as prompt embeddings,
+and the router strip a client hint (a salted request goes through it too); then each query
+must return series, so a misspelt metric or label fails here. An alert's expression is
+evaluated with its thresholds made `bool` (the series it watches, firing or not)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import httpx
 import yaml
 
 from kvcr_bench.processes import GuardProcess, Process
+from kvcr_bench.tiny_model import PRESETS
 from kvcr_bench.vllm_servers import VllmServer
 from kvcr_core.testing import secret_for
 from kvcr_core.testing.ports import free_port
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "deploy" / "monitoring"
+TINY_HIDDEN = PRESETS["test"]["hidden_size"]
 SECRET = secret_for("deploy-live-peer-secret-0123456789abcdefXYZ")
 WORDS = ["pool", "guard", "router", "block", "prefix", "engine", "token", "socket", "peer",
          "hint", "slot", "lease", "commit", "namespace", "metric", "alert", "panel"]
@@ -41,6 +43,20 @@ SYSTEM = " ".join(WORDS[(i * 5 + i // 3) % len(WORDS)] + str(i % 89) for i in ra
 STRANGER_HINT = {"protocol_version": "0.1", "message_id": "deploy-live", "actions": [{
     "action_type": "kv.fetch", "action_version": "1.0",
     "payload": {"source_control_endpoint": "tcp://127.0.0.1:9", "block_hashes": [1, 2, 3]}}]}
+
+
+def prompt_embeds(tokens: int) -> str:
+    """A prompt given as embeddings, as vLLM's completions API takes it (base64 of a saved
+    float32 tensor, the tiny model's hidden size)."""
+    import base64
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(torch.randn(tokens, TINY_HIDDEN, generator=torch.Generator().manual_seed(3)),
+               buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def chat(question: str, **extra: Any) -> dict[str, Any]:
@@ -117,7 +133,7 @@ def stack(tiny_model: str, tools: Any, tmp_path_factory: pytest.TempPathFactory,
             "kv_connector_module_path": "kvcr_vllm.connector",
             "kv_connector_extra_config": {"mode": "guarded", "socket": socket_path,
                                           "peers": [dead_peer], "fetch_deadline_s": 1}},
-            max_model_len=4096)
+            max_model_len=4096, extra_args=["--enable-prompt-embeds"])
         procs.append(engine)
         engine.wait_ready()
         import torch
@@ -185,6 +201,9 @@ def drive(stack: dict[str, Any]) -> None:
         salted = http.post(f"{router}/v1/chat/completions",
                            json=chat("salted", cache_salt="tenant-a"))
         assert salted.status_code == 200, salted.text
+        embedded = http.post(f"{engine.url}/v1/completions", json={
+            "model": "model", "max_tokens": 2, "prompt_embeds": prompt_embeds(40)})
+        assert embedded.status_code == 200, embedded.text  # bypassed: kvcr cannot key it
         stripped = http.post(f"{router}/v1/chat/completions",
                              json=chat("hinted", kv_hint=STRANGER_HINT))
         assert stripped.status_code == 200, stripped.text

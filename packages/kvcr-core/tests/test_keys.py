@@ -15,6 +15,7 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.keys import (
     NamespaceSpec,
     block_keys,
+    context_root,
     encode_tokens,
     router_hash_kvcr_v1,
     router_hash_scheme,
@@ -130,3 +131,22 @@ def test_router_projection_is_first_8_bytes_little_endian() -> None:
     assert router_hash_scheme("kvcr-v1") is router_hash_kvcr_v1
     with pytest.raises(ConfigError, match="kvcr-v1"):
         router_hash_scheme("xxh3")
+
+
+def test_context_root_follows_the_spec_and_separates_contexts() -> None:
+    """Risk: two tenants' salts (or two adapters) root the same chain and share KV, or the
+    root drifts from docs/keys.md and other routers compute other keys."""
+    ns = bytes(range(16))
+    assert context_root(ns, ()) == ns  # no context: the namespace digest itself
+    context = (("lora", "ab" * 16), ("cache_salt", "tenant-\u00e9"))
+    want = hashlib.blake2b(b"kvcr-request-context-v1\x00" + ns
+                           + '[["lora","abababababababababababababababab"],'
+                             '["cache_salt","tenant-\u00e9"]]'.encode(),
+                           digest_size=16).digest()
+    assert context_root(ns, context) == want
+    roots = {context_root(ns, c) for c in [(), (("cache_salt", "a"),), (("cache_salt", "b"),),
+                                           (("lora", "a"),), (("cache_salt", "a"), ("lora", "a")),
+                                           (("lora", "a"), ("cache_salt", "a"))]}
+    assert len(roots) == 6
+    with pytest.raises(ValueError, match="16 bytes"):
+        context_root(b"short", (("cache_salt", "a"),))

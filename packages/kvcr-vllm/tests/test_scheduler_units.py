@@ -6,7 +6,6 @@ socket, a manual clock); the end-to-end tests with real engines are in test_vllm
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -15,107 +14,30 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and stats types")
 
+import os
+import sys
+
 from prometheus_client import CollectorRegistry
 
 from kvcr_core.attach.service import Grant
 from kvcr_core.checksums import block_checksum
 from kvcr_core.config import KVCRConfig
-from kvcr_core.keys import NamespaceSpec, block_keys, router_hash_kvcr_v1
+from kvcr_core.keys import router_hash_kvcr_v1
 from kvcr_core.runner import Runner
-from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
+from kvcr_core.testing import pattern_block
 from kvcr_vllm.metadata import WorkerReport
-from kvcr_vllm.scheduler import KVCRConnectorScheduler
-from kvcr_vllm.settings import ConnectorSettings
-from kvcr_vllm.stats import StatsRecorder
+
+sys.path.insert(0, os.path.dirname(__file__))
+from scheduler_rig import (
+    BLOCK,
+    PEER,
+    Blocks,
+    FakeRequest,
+    Node,
+    output,
+)
 
 pytestmark = pytest.mark.unit
-
-BLOCK_TOKENS = 4
-BLOCK = 4096
-PEER = "tcp://10.0.0.2:7500"
-
-
-def spec(rank: int, tp: int) -> NamespaceSpec:
-    return NamespaceSpec(model_id="m", dtype="float32", kv_dtype="float32",
-                         block_size_tokens=BLOCK_TOKENS, num_layers=2, num_kv_heads=2,
-                         head_dim=64, layout="test/v1", tp_size=tp, tp_rank=rank)
-
-
-@dataclasses.dataclass
-class FakeRequest:
-    """The attributes of vLLM's Request that the scheduler side reads."""
-
-    request_id: str
-    all_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-    mm_features: list[Any] | None = None
-    prompt_embeds: Any = None
-    lora_request: Any = None
-    cache_salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
-class Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
-
-
-def output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
-           cached: list[tuple[str, list[int], int, int, bool]] = ()  # type: ignore[assignment]
-           ) -> SimpleNamespace:
-    """A SchedulerOutput: new requests (id, block ids, computed, scheduled) and cached ones
-    (id, new block ids, computed, scheduled, resumed)."""
-    return SimpleNamespace(
-        num_scheduled_tokens={r[0]: r[3] for r in [*new, *cached]},
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
-                            for r, ids, c, _ in new],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r[0] for r in cached], new_block_ids=[(r[1],) for r in cached],
-            resumed_req_ids={r[0] for r in cached if r[4]},
-            num_computed_tokens=[r[2] for r in cached]))
-
-
-class Node:
-    """A scheduler over `tp` ranks of one in-process Runner, optionally with peers."""
-
-    def __init__(self, tp: int = 1, *, sources: dict[str, Runner | None] | None = None,
-                 answer_after_polls: int = 1, extra: dict[str, Any] | None = None,
-                 synchronous_loads: bool = False) -> None:
-        self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
-                             registry=CollectorRegistry())
-        self.specs = [spec(r, tp) for r in range(tp)]
-        self.peers = LoopbackPeers(sources, answer_after_polls=answer_after_polls)
-        self.ops = ObservedRunner(in_process(self.runner, self.specs, BLOCK, peers=self.peers))
-        self.stores = self.ops.ops.stores  # per rank
-        self.clock = ManualClock()
-        self.stats = StatsRecorder()
-        settings = ConnectorSettings.from_extra_config(
-            {"mode": "guarded", "socket": "/run/kvcr/unused.sock",
-             "peers": list(sources or {}), "fetch_deadline_s": 2, "fetch_wait_s": 0,
-             **(extra or {})}, "e")
-        self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
-                                                runner=self.ops, clock=self.clock,
-                                                sleep=self.clock.advance,
-                                                synchronous_loads=synchronous_loads)
-
-    def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
-        return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))
-
-    def stock(self, tokens: list[int]) -> None:
-        """Stores the full blocks of `tokens` on every rank."""
-        for rank, store in enumerate(self.stores):
-            keys = self.keys(tokens, rank)
-            store.store(keys, [pattern_block(k, BLOCK) for k in keys])
-
-    def counters(self) -> dict[str, int | float]:
-        taken = self.stats.take()
-        return {} if taken is None else taken.reduce()
 
 
 def hint(tokens: list[int], node: Node, source: str = PEER) -> dict[str, Any]:

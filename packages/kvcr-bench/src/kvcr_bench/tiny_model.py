@@ -94,6 +94,38 @@ def build(out_dir: str | os.PathLike[str], preset: str = "test") -> Path:
     return out
 
 
+def build_lora(out_dir: str | os.PathLike[str], preset: str = "test", *, seed: int = 1,
+               rank: int = 8) -> Path:
+    """A LoRA adapter for the `preset` model, in PEFT's format (adapter_config.json and
+    adapter_model.safetensors, random weights from `seed` on q_proj and v_proj), as vLLM
+    loads one with `enable_lora`. Rebuilt only if missing."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = PRESETS[preset]
+    out = Path(out_dir)
+    if (out / "adapter_model.safetensors").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    hidden, head_dim = spec["hidden_size"], spec["head_dim"]
+    outputs = {"q_proj": spec["num_attention_heads"] * head_dim,
+               "v_proj": spec["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec["num_hidden_layers"]):
+        for name, width in outputs.items():
+            base = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{base}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.1
+            tensors[f"{base}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * 0.1
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "target_modules": sorted(outputs), "bias": "none",
+        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False,
+        "use_dora": False, "base_model_name_or_path": preset}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")

@@ -2,13 +2,13 @@
 for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_bench.vllm_probe JOB_JSON` (or
 `-` to read the job from stdin: long prompts exceed the argument size limit).
 
-Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module
-path; "example" for vLLM's ExampleConnector), extra config, requests (token id lists with
-optional kv_transfer_params, kv_hints (vLLM's own hint envelope, as JSON), max_tokens and
-reset_prefix_cache), `hold` (then wait to be killed), `multiprocess` (true: the engine core in
-a child process, as `vllm serve` runs it; default in-process), `omp_threads` (the engine's
-OpenMP threads; default 2) and `bad_extra` (first try an invalid extra config and report the
-start-up error). Prints one
+Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module path;
+"example" for vLLM's ExampleConnector), extra config, requests (token id lists with optional
+kv_transfer_params, kv_hints (vLLM's own hint envelope, as JSON), max_tokens,
+reset_prefix_cache, cache_salt and lora: {"name", "id", "path"}), `enable_lora`, `hold` (then
+wait to be killed), `multiprocess` (true: the engine core in a child process, as `vllm serve`
+runs it; default in-process), `omp_threads` (the engine's OpenMP threads; default 2) and
+`bad_extra` (first try an invalid extra config and report the start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, the engine's kvcr / prefix-cache metrics after it, and how long the
 engine took to start.
@@ -46,10 +46,12 @@ def transfer_config(job: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any
 def make_llm(job: dict[str, Any], extra: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    lora: dict[str, Any] = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} \
+        if job.get("enable_lora") else {}
     return LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
                block_size=32, enforce_eager=True, max_num_seqs=4, enable_prefix_caching=True,
                seed=0, kv_transfer_config=transfer_config(job, extra), disable_log_stats=False,
-               max_num_batched_tokens=job.get("max_num_batched_tokens"))
+               max_num_batched_tokens=job.get("max_num_batched_tokens"), **lora)
 
 
 def metrics(llm: Any) -> dict[str, Any]:
@@ -86,6 +88,23 @@ def hinted_generate(llm: Any, req: dict[str, Any], params: Any, request_id: str)
     raise RuntimeError("the hinted request never finished")
 
 
+def prompt_of(req: dict[str, Any]) -> dict[str, Any]:
+    """The request's prompt: its token ids, with its `cache_salt` if it has one."""
+    prompt: dict[str, Any] = {"prompt_token_ids": req["tokens"]}
+    if req.get("cache_salt"):
+        prompt["cache_salt"] = req["cache_salt"]
+    return prompt
+
+
+def lora_of(req: dict[str, Any]) -> Any:
+    """The request's LoRA adapter (`{"name", "id", "path"}`), or None."""
+    if not req.get("lora"):
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(req["lora"]["name"], int(req["lora"]["id"]), req["lora"]["path"])
+
+
 def main() -> None:
     job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if "multiprocess" in job:  # the engine core in a child process, as `vllm serve` runs it
@@ -113,7 +132,8 @@ def main() -> None:
         if req.get("kv_hints") is not None:
             out = hinted_generate(llm, req, sp, f"hinted-{start}")
         else:
-            out = llm.generate([{"prompt_token_ids": req["tokens"]}], sp, use_tqdm=False)[0]
+            out = llm.generate([prompt_of(req)], sp, use_tqdm=False,
+                               lora_request=lora_of(req))[0]
         print(json.dumps({"tokens": list(out.outputs[0].token_ids),
                           "cached": out.num_cached_tokens, "seconds": time.perf_counter() - start,
                           "params": out.kv_transfer_params, "metrics": metrics(llm),

@@ -7,6 +7,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,13 @@ class VllmServer(Process):
     def __init__(self, model: str, workdir: Path, name: str,
                  kv_transfer_config: dict[str, Any] | None, max_model_len: int = 8192,
                  max_num_seqs: int = 4, omp_threads: int | None = None,
-                 prefill_cap: int | None = None, scheduler_cls: str | None = None) -> None:
+                 prefill_cap: int | None = None, scheduler_cls: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
         """`omp_threads`: the engine's OpenMP threads (CPU_ENV's two if None).
         `prefill_cap`: vLLM's `--long-prefill-token-threshold` (a long prefill's tokens per
         step while other requests wait; vLLM's default, none, if None). `scheduler_cls`:
-        vLLM's `--scheduler-cls` (vLLM's own scheduler if None)."""
+        vLLM's `--scheduler-cls` (vLLM's own scheduler if None). `extra_args`: more of
+        `vllm serve`'s flags."""
         self.port = free_port()
         self.name = name
         self.url = f"http://127.0.0.1:{self.port}"
@@ -75,6 +78,7 @@ class VllmServer(Process):
             args += ["--long-prefill-token-threshold", str(prefill_cap)]
         if scheduler_cls is not None:
             args += ["--scheduler-cls", scheduler_cls]
+        args += extra_args
         threads = {} if omp_threads is None else {"OMP_NUM_THREADS": str(omp_threads)}
         super().__init__(args, workdir / f"{name}.log", {**CPU_ENV, **threads})
 

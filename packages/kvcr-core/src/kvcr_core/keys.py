@@ -25,6 +25,7 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.types import KEY_BYTES, BlockKey, NamespaceDigest, RouterHash
 
 NAMESPACE_DOMAIN = b"kvcr-namespace-v1\x00"
+CONTEXT_DOMAIN = b"kvcr-request-context-v1\x00"
 KEY_SCHEME = "blake2b-128-chain-v1"
 _U32_MAX = 0xFFFFFFFF
 
@@ -146,6 +147,23 @@ def block_keys(parent: bytes, tokens: Sequence[int], block_size: int) -> list[Bl
         prev = blake2b(prev + data[start:start + step], digest_size=KEY_BYTES).digest()
         keys.append(BlockKey(prev))
     return keys
+
+
+def context_root(namespace: bytes, context: Sequence[tuple[str, str]]) -> bytes:
+    """The parent of a sequence's first block: the namespace digest itself, or, for a request
+    whose KV depends on more than its token ids (`context`: (kind, value) pairs such as
+    vLLM's cache salt or a LoRA adapter's identity, in a fixed order), BLAKE2b-128 over a
+    domain string, the digest and the canonical JSON of the pairs. Requests of two contexts
+    never share a key; requests of one context share across engines and nodes."""
+    if len(namespace) != KEY_BYTES:
+        raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
+    if not context:
+        return bytes(namespace)
+    h = hashlib.blake2b(CONTEXT_DOMAIN, digest_size=KEY_BYTES)
+    h.update(bytes(namespace))
+    h.update(json.dumps([[kind, value] for kind, value in context], ensure_ascii=False,
+                        separators=(",", ":")).encode("utf-8"))
+    return h.digest()
 
 
 def sequence_keys(spec: NamespaceSpec, tokens: Sequence[int]) -> list[BlockKey]:

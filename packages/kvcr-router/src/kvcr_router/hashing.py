@@ -97,7 +97,7 @@ class PromptHasher:
         `PromptTooLarge` past `max_chars` of text or `MAX_PROMPT_TOKENS` tokens, and whatever
         the tokenizer or template raises."""
         if body.get("cache_salt") is not None:
-            return None  # kvcr bypasses salted requests: no block of theirs is shared
+            return None  # its keys are rooted in the salt (docs/keys.md): not reproduced here
         limit_chars = MAX_PROMPT_CHARS if max_chars is None else max_chars
         tokens = (self._completion(body, limit_chars) if kind == "completions"
                   else self._chat(body, limit_chars))

@@ -59,6 +59,7 @@ class RequestState:
 
     request: Request
     bypass: str | None
+    context: tuple[tuple[str, str], ...] = ()  # the root of its key chains (context_root)
     hint: KVHint | None = None
     keys: list[list[BlockKey]] = dataclasses.field(default_factory=list)  # per rank
     keyed_blocks: int = 0

@@ -4,8 +4,11 @@ Decides, per request, which blocks to load from kvcr and which to save, and hand
 plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
 
 - Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per TP rank's
-  namespace. Requests whose KV depends on more than token ids (multimodal inputs, prompt
-  embeddings, LoRA, cache_salt) bypass kvcr, counted: nothing wrong is ever served.
+  namespace, rooted in the request's context (kvcr_vllm.request_context: its cache salt and
+  LoRA adapter's content), so requests of another salt or adapter never share KV. Requests
+  whose KV depends on what kvcr cannot name (multimodal inputs, prompt embeddings, an
+  adapter not yet hashed or not a local directory) bypass kvcr, counted: nothing wrong is
+  ever served.
 - Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit.
   `update_state_after_alloc` leases the blocks (no eviction while loading) and plans the copy;
   leases are released when the workers report the load done. Host KV caches load
@@ -47,11 +50,12 @@ from typing import TYPE_CHECKING, Any
 from kvcr_core.attach import AttachClient, FetchSummary, RunnerError, RunnerOps
 from kvcr_core.config import verifies_loads
 from kvcr_core.hints import HintIntake, HintLimits
-from kvcr_core.keys import NamespaceSpec, block_keys
+from kvcr_core.keys import NamespaceSpec, block_keys, context_root
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.fetches import RequestFetches, RequestState
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan, WorkerReport
 from kvcr_vllm.pool_events import PoolEvents
+from kvcr_vllm.request_context import LoraDigests, request_context
 from kvcr_vllm.request_hints import raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -64,21 +68,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcr_vllm")
-
-
-def bypass_reason(request: Request) -> str | None:
-    """Why this request's KV is not a function of its token ids alone (None: cacheable)."""
-    if getattr(request, "mm_features", None):
-        return "multimodal"
-    if getattr(request, "prompt_embeds", None) is not None:
-        return "prompt_embeds"
-    if getattr(request, "lora_request", None) is not None:
-        return "lora"
-    if getattr(request, "cache_salt", None):
-        return "cache_salt"
-    return None
-
-
 
 
 class KVCRConnectorScheduler:
@@ -112,6 +101,7 @@ class KVCRConnectorScheduler:
                                                   max_hashes=runner_config.max_hint_hashes,
                                                   max_bytes=runner_config.max_hint_bytes))
         self._requests: dict[str, RequestState] = {}
+        self.lora = LoraDigests()  # adapters' content digests, for LoRA requests' keys
         self._pending_loads: list[LoadPlan] = []
         self.events = PoolEvents(self.runner, self.block_size, clock=clock) \
             if publish_events else None
@@ -121,7 +111,8 @@ class KVCRConnectorScheduler:
     def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = RequestState(request, bypass_reason(request))
+            context, bypass = request_context(request, self.lora)
+            state = RequestState(request, bypass, context)
             self._requests[request.request_id] = state
             if state.bypass:
                 self.stats.count("bypassed", state.bypass)
@@ -136,7 +127,7 @@ class KVCRConnectorScheduler:
                 state.keys = [[] for _ in self.specs]
             for rank, spec in enumerate(self.specs):
                 chain = state.keys[rank]
-                parent = chain[-1] if chain else spec.digest()
+                parent = chain[-1] if chain else context_root(spec.digest(), state.context)
                 chain.extend(block_keys(parent, tokens, bs))
             state.keyed_blocks = len(state.keys[0])
         return [chain[:n_blocks] for chain in state.keys]

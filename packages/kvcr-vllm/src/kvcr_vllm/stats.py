@@ -27,7 +27,7 @@ COUNTERS = ("loaded_blocks", "loaded_tokens", "stored_blocks", "stored_tokens",
 FAILURE_REASONS = ("guard_unavailable", "load_copy", "save_copy", "evicted_before_load",
                    "save_refused", "config", "peer_not_allowed", "peer_fetch", "load_checksum",
                    "pin_failed", "cuda_call")
-BYPASS_REASONS = ("multimodal", "prompt_embeds", "lora", "cache_salt")
+BYPASS_REASONS = ("multimodal", "prompt_embeds", "lora")
 _LOAD_SAMPLES_MAX = 512
 _LOAD_BUCKETS_S = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 

@@ -1,0 +1,51 @@
+"""Salted and LoRA requests reused across real vLLM CPU engines through kvcr-guard under
+their context, never across two contexts, with outputs identical to an engine without kvcr
+(e2e: real engine processes, a tiny local model and tiny local LoRA adapters)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+
+from kvcr_bench.tiny_model import build_lora
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPT = [(i * 7919) % 2000 + 4 for i in range(650)]  # 20 full blocks of 32 + 10 tokens
+FULL = (len(PROMPT) // 32) * 32
+
+
+def lora(path: Path, name: str, ident: int) -> dict[str, object]:
+    return {"name": name, "id": ident, "path": str(path)}
+
+
+def test_salted_and_lora_requests_are_reused_only_within_their_context(
+        guard, run_engine, tmp_path: Path) -> None:
+    """Risk: a tenant's salted KV, or one adapter's KV, served to another salt or adapter
+    (wrong tokens for them, and a leak), or such requests never reused at all."""
+    sql = build_lora(tmp_path / "sql", seed=1)
+    copy = tmp_path / "sql-copy"  # the same files under another path and name
+    shutil.copytree(sql, copy)
+    chat = build_lora(tmp_path / "chat", seed=2)
+    extra = {"mode": "guarded", "socket": guard.socket}
+    writes = [{"tokens": PROMPT, "cache_salt": "tenant-a"},
+              {"tokens": PROMPT, "lora": lora(sql, "sql", 1)}]
+    reads = [{"tokens": PROMPT, "cache_salt": "tenant-a"},
+             {"tokens": PROMPT, "cache_salt": "tenant-b"},
+             {"tokens": PROMPT, "lora": lora(copy, "sql-copy", 1)},
+             {"tokens": PROMPT, "lora": lora(chat, "chat", 2)},
+             {"tokens": PROMPT}]
+    plain = run_engine("none", reads, enable_lora=True)
+    run_engine("plugin", writes, extra, enable_lora=True)
+    salted_a, salted_b, same_adapter, other_adapter, base = run_engine(
+        "plugin", reads, extra, enable_lora=True)
+    assert salted_a["cached"] >= FULL - 32 and same_adapter["cached"] >= FULL - 32
+    assert salted_b["cached"] == other_adapter["cached"] == base["cached"] == 0
+    assert [r["tokens"] for r in (salted_a, salted_b, same_adapter, other_adapter, base)] \
+        == [r["tokens"] for r in plain]
+    assert same_adapter["tokens"] != base["tokens"]  # the adapter changes the output
+    assert base["metrics"]["vllm:kvcr_loaded_blocks"] >= 2 * (len(PROMPT) // 32) - 2
