@@ -19,7 +19,7 @@ from kvcr_core.testing import pattern_block
 from kvcr_vllm.request_context import LoraDigests, adapter_digest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from scheduler_rig import BLOCK, BLOCK_TOKENS, FakeRequest, Node
+from scheduler_rig import BLOCK, BLOCK_TOKENS, FakeRequest, Node, output
 
 pytestmark = pytest.mark.unit
 TOKENS = list(range(100, 133))  # 33 tokens: 8 full blocks and one partial
@@ -131,3 +131,22 @@ def test_digests_are_computed_off_the_thread_and_their_table_is_bounded(
     assert digests.get(paths[0]) is None  # queued, not computed here
     assert [digests.wait(p, 10) for p in paths] == [adapter_digest(p) for p in paths]
     assert len(digests) == 2
+
+
+def test_salted_blocks_are_saved_under_their_salt_but_never_announced_to_routers() -> None:
+    """Risk: a KV-aware router, which matches vLLM's events by token ids, credits a salted
+    request's blocks to requests of another salt (over-credit), or the salted save is keyed
+    without its salt."""
+    node = Node()
+    announced: list[str] = []
+    node.scheduler.events = SimpleNamespace(  # type: ignore[assignment]
+        planned=lambda request, *_: announced.append(request.request_id))
+    sched = node.scheduler
+    for rid, salt in (("salted", "tenant-a"), ("plain", None)):
+        request = FakeRequest(rid, TOKENS, cache_salt=salt)
+        sched.on_new_request(request)
+        sched.get_num_new_matched_tokens(request, 0)
+        meta = sched.build_connector_meta(output(new=[(rid, list(range(20, 29)), 0, 8)]))
+        root = context_root(node.specs[0].digest(), (("cache_salt", salt),) if salt else ())
+        assert list(meta.saves[0].keys_by_rank[0]) == block_keys(root, TOKENS[:8], BLOCK_TOKENS)
+    assert announced == ["plain"]

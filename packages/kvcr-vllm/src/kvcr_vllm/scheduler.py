@@ -184,7 +184,7 @@ class KVCRConnectorScheduler:
 
     def _fetched(self, state: RequestState, summary: FetchSummary) -> None:
         """A fetch made blocks READY: announce those every rank holds now."""
-        if self.events is not None:
+        if self.events is not None and not state.context:
             self.events.fetched(state.request, summary.run.start,
                                 self._keys(state, summary.run.end), summary.statuses)
 
@@ -257,8 +257,8 @@ class KVCRConnectorScheduler:
             state.request.request_id, tuple(state.block_ids[first:full]),
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
-        if self.events is not None:
-            self.events.planned(state.request, first, full, keys)
+        if self.events is not None and not state.context:  # (a router could not tell a
+            self.events.planned(state.request, first, full, keys)  # salted block from another)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = getattr(output, "kv_connector_worker_meta", None)
