@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import logging
 import re
 import typing
 from pathlib import Path
@@ -177,6 +178,23 @@ def test_metrics_and_guard_docs_list_every_series_and_attach_operation() -> None
     guard = doc("guard.md")
     for op in typing.get_args(protocol.Op):
         assert f"`{op.__name__}" in guard, op.__name__
+
+
+def test_hints_guide_shows_the_real_rejection_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Risk: docs/hints.md shows a rejection warning other than the one kvcr logs (it once
+    showed a detail the code never printed)."""
+    from kvcr_core.hints import HintIntake
+
+    shown = re.search(r"^```text\n(invalid kv_hint .*)\n```", doc("hints.md"), re.MULTILINE)
+    assert shown, "docs/hints.md shows no rejection warning"
+    payload = {"source_control_endpoint": "tcp://10.0.0.7:7500",
+               "block_hashes": [1, 2, 3, 4, 5, 2**64], "mode": "copy"}
+    envelope = {"protocol_version": "0.1", "message_id": "req-42",
+                "actions": [{"action_id": "a1", "action_type": "kv.fetch",
+                             "action_version": "1.0", "payload": payload}]}
+    with caplog.at_level(logging.DEBUG, logger="kvcr_core.hints"):
+        assert HintIntake(None).accept(envelope) is None
+    assert shown.group(1) in caplog.messages
 
 
 def test_docs_install_from_a_clone_and_fences_close() -> None:
