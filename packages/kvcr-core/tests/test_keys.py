@@ -15,6 +15,7 @@ from kvcr_core.errors import ConfigError
 from kvcr_core.keys import (
     NamespaceSpec,
     block_keys,
+    block_keys_with,
     context_root,
     encode_tokens,
     router_hash_kvcr_v1,
@@ -150,3 +151,20 @@ def test_context_root_follows_the_spec_and_separates_contexts() -> None:
     assert len(roots) == 6
     with pytest.raises(ValueError, match="16 bytes"):
         context_root(b"short", (("cache_salt", "a"),))
+
+
+def test_a_blocks_extras_change_its_key_and_every_later_one_only() -> None:
+    """Risk: two images behind the same placeholder tokens get one key (one image's KV served
+    for the other), or the text before the image stops sharing with text-only prompts."""
+    root, tokens = bytes(range(16)), list(range(1, 41))  # 10 blocks of 4
+    plain = block_keys(root, tokens, 4)
+    assert block_keys_with(root, tokens, 4, {}) == plain
+    cat = block_keys_with(root, tokens, 4, {3: (("mm", "cat:0"),), 4: (("mm", "cat:-4"),)})
+    dog = block_keys_with(root, tokens, 4, {3: (("mm", "dog:0"),), 4: (("mm", "dog:-4"),)})
+    assert cat[:3] == dog[:3] == plain[:3]
+    assert all(c != d and c != p for c, d, p in zip(cat[3:], dog[3:], plain[3:], strict=True))
+    assert cat[3] == block_keys(context_root(plain[2], (("mm", "cat:0"),)), tokens[12:16], 4)[0]
+    again = block_keys_with(root, tokens[:20], 4, {3: (("mm", "cat:0"),), 4: (("mm", "cat:-4"),)})
+    assert again == cat[:5]  # the same image: the same keys
+    first = block_keys_with(root, tokens, 4, {0: (("mm", "cat:0"),), 99: (("mm", "x:0"),)})
+    assert first[0] == block_keys(context_root(root, (("mm", "cat:0"),)), tokens[:4], 4)[0]

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side ships vLLM's metadata and stats types")
 
-from kvcr_core.keys import block_keys, context_root
+from kvcr_core.keys import block_keys, block_keys_with, context_root
 from kvcr_core.testing import pattern_block
-from kvcr_vllm.request_context import LoraDigests, adapter_digest
+from kvcr_vllm.request_context import LoraDigests, adapter_digest, mm_block_extras
 
 sys.path.insert(0, os.path.dirname(__file__))
 from scheduler_rig import BLOCK, BLOCK_TOKENS, FakeRequest, Node, output
@@ -150,3 +150,27 @@ def test_salted_blocks_are_saved_under_their_salt_but_never_announced_to_routers
         root = context_root(node.specs[0].digest(), (("cache_salt", salt),) if salt else ())
         assert list(meta.saves[0].keys_by_rank[0]) == block_keys(root, TOKENS[:8], BLOCK_TOKENS)
     assert announced == ["plain"]
+
+
+def image(identifier: str | None, offset: int, length: int) -> SimpleNamespace:
+    """A multimodal input as vLLM's request holds it (MultiModalFeatureSpec's fields read)."""
+    return SimpleNamespace(identifier=identifier, modality="image",
+                           mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_an_image_keys_the_blocks_holding_its_placeholders_and_those_after() -> None:
+    """Risk: two images behind the same placeholder tokens share KV (one image's KV answers
+    a question about the other), or the text before an image stops being reused."""
+    node = Node()
+    extras = mm_block_extras(FakeRequest("x", TOKENS, mm_features=[image("cat", 8, 6)]),
+                             0, 8, BLOCK_TOKENS)
+    assert extras == {2: (("mm", "cat:0"),), 3: (("mm", "cat:-4"),)}
+    for rank, store in enumerate(node.stores):
+        keys = block_keys_with(node.specs[rank].digest(), TOKENS[:24], BLOCK_TOKENS, extras)
+        store.store(keys, [pattern_block(k, BLOCK) for k in keys])
+    assert hit(node, FakeRequest("cat", TOKENS, mm_features=[image("cat", 8, 6)])) == 24
+    assert hit(node, FakeRequest("dog", TOKENS, mm_features=[image("dog", 8, 6)])) == 8
+    assert hit(node, FakeRequest("moved", TOKENS, mm_features=[image("cat", 9, 6)])) == 8
+    assert hit(node, FakeRequest("text", TOKENS)) == 8  # the text before the image
+    assert hit(node, FakeRequest("unnamed", TOKENS, mm_features=[image(None, 8, 6)])) == 0
+    assert node.stats.take().data["bypassed"] == {"multimodal": 1}  # type: ignore[union-attr]

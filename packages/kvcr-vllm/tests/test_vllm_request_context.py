@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
-from kvcr_bench.tiny_model import build_lora
+from kvcr_bench.tiny_model import build_idefics3, build_lora
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -49,3 +49,23 @@ def test_salted_and_lora_requests_are_reused_only_within_their_context(
         == [r["tokens"] for r in plain]
     assert same_adapter["tokens"] != base["tokens"]  # the adapter changes the output
     assert base["metrics"]["vllm:kvcr_loaded_blocks"] >= 2 * (len(PROMPT) // 32) - 2
+
+
+def test_an_image_is_reused_only_with_the_same_image(guard, run_engine, tiny_model) -> None:
+    """Risk: a vision-language deployment gets another image's KV for the same placeholder
+    tokens (an answer about the wrong picture), or no reuse at all. (This tiny model's greedy
+    output hardly depends on the image, so the blocks reused are what is checked.)"""
+    model = str(build_idefics3(Path(tiny_model).parent / "tiny-idefics3", tiny_model))
+    before = " ".join(f"word{i % 37}" for i in range(160))  # text ahead of the image
+    text = before + " <image> " + " ".join(f"tail{i % 23}" for i in range(20))
+    red, blue = ([200, 10, 10], [10, 10, 200])
+    job = {"model": model, "images": True}
+    extra = {"mode": "guarded", "socket": guard.socket}
+    reads = [{"text": text, "image_rgb": red}, {"text": text, "image_rgb": blue}]
+    plain = run_engine("none", reads, **job)
+    (written,) = run_engine("plugin", [{"text": text, "image_rgb": red}], extra, **job)
+    same, other = run_engine("plugin", reads, extra, **job)
+    assert written["metrics"]["vllm:kvcr_stored_blocks"] >= 8
+    assert same["cached"] >= written["metrics"]["vllm:kvcr_stored_blocks"] * 32 - 32
+    assert 0 < other["cached"] < same["cached"]  # only the blocks before the image
+    assert [same["tokens"], other["tokens"]] == [r["tokens"] for r in plain]

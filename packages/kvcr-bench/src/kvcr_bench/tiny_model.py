@@ -126,6 +126,52 @@ def build_lora(out_dir: str | os.PathLike[str], preset: str = "test", *, seed: i
     return out
 
 
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+
+
+def build_idefics3(out_dir: str | os.PathLike[str], base_dir: str | os.PathLike[str]) -> Path:
+    """A tiny vision-language model (Idefics3: the `test` preset's Llama as its text model,
+    a 2-layer 64x64 vision tower, 4 image tokens per image, random weights, PIL image
+    processing) beside the `test` model built in `base_dir`. Rebuilt only if missing."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    base = build(base_dir, "test")
+    tok = PreTrainedTokenizerFast.from_pretrained(base)
+    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    text = LlamaConfig.from_pretrained(base)
+    text.vocab_size = len(tok)
+    config = Idefics3Config(
+        text_config=text.to_dict(), scale_factor=2, pad_token_id=tok.pad_token_id,
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "image_size": 64, "patch_size": 16,
+                       "num_channels": 3})
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, do_image_splitting=False,
+                                       max_image_size={"longest_edge": 64})
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")

@@ -5,7 +5,8 @@ for the end-to-end tests and `kvcr bench vllm`: `python -m kvcr_bench.vllm_probe
 Job: model, connector ("none"; "plugin" or "module" for KVCRConnector by name or module path;
 "example" for vLLM's ExampleConnector), extra config, requests (token id lists with optional
 kv_transfer_params, kv_hints (vLLM's own hint envelope, as JSON), max_tokens,
-reset_prefix_cache, cache_salt and lora: {"name", "id", "path"}), `enable_lora`, `hold` (then
+reset_prefix_cache, cache_salt, lora: {"name", "id", "path"}, text with image_rgb),
+`enable_lora`, `images` (a vision-language model: one image per prompt), `hold` (then
 wait to be killed), `multiprocess` (true: the engine core in a child process, as `vllm serve`
 runs it; default in-process), `omp_threads` (the engine's OpenMP threads; default 2) and
 `bad_extra` (first try an invalid extra config and report the start-up error). Prints one
@@ -48,6 +49,8 @@ def make_llm(job: dict[str, Any], extra: dict[str, Any]) -> Any:
 
     lora: dict[str, Any] = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} \
         if job.get("enable_lora") else {}
+    if job.get("images"):
+        lora["limit_mm_per_prompt"] = {"image": 1}
     return LLM(model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
                block_size=32, enforce_eager=True, max_num_seqs=4, enable_prefix_caching=True,
                seed=0, kv_transfer_config=transfer_config(job, extra), disable_log_stats=False,
@@ -89,8 +92,15 @@ def hinted_generate(llm: Any, req: dict[str, Any], params: Any, request_id: str)
 
 
 def prompt_of(req: dict[str, Any]) -> dict[str, Any]:
-    """The request's prompt: its token ids, with its `cache_salt` if it has one."""
-    prompt: dict[str, Any] = {"prompt_token_ids": req["tokens"]}
+    """The request's prompt: its token ids (or `text` with an `image_rgb`: a 64x64 image of
+    that colour for the text's `<image>`), with its `cache_salt` if it has one."""
+    if req.get("image_rgb") is not None:
+        from PIL import Image
+
+        prompt: dict[str, Any] = {"prompt": req["text"], "multi_modal_data": {
+            "image": Image.new("RGB", (64, 64), tuple(req["image_rgb"]))}}
+    else:
+        prompt = {"prompt_token_ids": req["tokens"]}
     if req.get("cache_salt"):
         prompt["cache_salt"] = req["cache_salt"]
     return prompt

@@ -166,6 +166,22 @@ def context_root(namespace: bytes, context: Sequence[tuple[str, str]]) -> bytes:
     return h.digest()
 
 
+def block_keys_with(parent: bytes, tokens: Sequence[int], block_size: int,
+                    extras: Mapping[int, Sequence[tuple[str, str]]]) -> list[BlockKey]:
+    """`block_keys`, where block `i` of `tokens` that has `extras[i]` (what its KV depends on
+    besides its tokens, such as the image whose placeholder tokens it holds) is chained from
+    `context_root(previous key, extras[i])` instead of the previous key itself."""
+    full = (len(tokens) // block_size) * block_size
+    keys: list[BlockKey] = []
+    prev, start = bytes(parent), 0
+    for i in sorted(b for b in extras if 0 <= b * block_size < full and extras[b]):
+        keys += block_keys(prev, tokens[start * block_size:i * block_size], block_size)
+        root = context_root(keys[-1] if keys else prev, extras[i])
+        keys += block_keys(root, tokens[i * block_size:(i + 1) * block_size], block_size)
+        prev, start = keys[-1], i + 1
+    return keys + block_keys(prev, tokens[start * block_size:full], block_size)
+
+
 def sequence_keys(spec: NamespaceSpec, tokens: Sequence[int]) -> list[BlockKey]:
     """Keys of a whole prompt from its first token, in the namespace of `spec`."""
     return block_keys(spec.digest(), tokens, spec.block_size_tokens)

@@ -127,7 +127,7 @@ def _pull_flags(ap: argparse.ArgumentParser) -> None:
                     help="pull on miss only runs of at least this many blocks "
                     f"(default {PeerConfig.pull_min_blocks})")
     ap.add_argument("--peer-feed-max-blocks", type=int, default=PeerConfig.feed_max_blocks,
-                    help="blocks remembered per followed peer, about 130 bytes each "
+                    help="blocks remembered per followed peer, about 180 bytes each "
                     f"(default {PeerConfig.feed_max_blocks})")
 
 

@@ -23,7 +23,7 @@ engine announced to a KV-aware router (NVIDIA Dynamo) as held in its host tier.
 - Guarded mode: kvcr-guard's pool is shared by the node's engines, and each engine announces
   only the blocks it saved or fetched; a block another engine saved is credited to that
   engine only, though every engine of the node can load it (docs/dynamo.md).
-- Blocks of salted and LoRA requests are not announced: a router matches events by token
+- Blocks of salted, LoRA and multimodal requests are not announced: a router matches events by token
   ids (and a LoRA name vLLM's events would carry), so it could credit them to requests of
   another salt or none; under-credit, never over-credit.
 - A lost Runner announces no removal (counted by the caller); it never fails a step.

@@ -14,7 +14,12 @@ one adapter, share KV across engines and nodes; of two, never.
   small adapter hashes in well under that); until its digest is known, requests of that
   adapter bypass kvcr (reason `lora`), as does one whose adapter is not a local directory
   kvcr can read: never a guess.
-- Multimodal inputs and prompt embeddings still bypass (`multimodal`, `prompt_embeds`).
+- Multimodal inputs: each block holding an input's placeholder tokens is keyed with the
+  input's identifier (vLLM's content hash of it, or the client's `multi_modal_uuids`) and its
+  offset in the block (`mm_block_extras`), as vLLM's own block hashes are, so two images
+  behind the same placeholder tokens never share KV, and text before an image still shares
+  with text-only prompts. An input without an identifier bypasses (`multimodal`).
+- Prompt embeddings still bypass (`prompt_embeds`).
 
 Threading: `request_context` on the scheduler's thread; `LoraDigests` hashes on its own
 daemon thread, one adapter at a time, its table bounded (`MAX_ADAPTERS`).
@@ -143,7 +148,8 @@ class LoraDigests:
 def request_context(request: Any, lora: LoraDigests) -> tuple[Context, str | None]:
     """(the request's context for `context_root`, or the bypass reason when kvcr cannot name
     everything its KV depends on)."""
-    if getattr(request, "mm_features", None):
+    if any(getattr(f, "identifier", None) is None
+           for f in getattr(request, "mm_features", None) or ()):
         return (), "multimodal"
     if getattr(request, "prompt_embeds", None) is not None:
         return (), "prompt_embeds"
@@ -159,3 +165,19 @@ def request_context(request: Any, lora: LoraDigests) -> tuple[Context, str | Non
     if salt:
         context.append(("cache_salt", str(salt)))
     return tuple(context), None
+
+
+def mm_block_extras(request: Any, first: int, end: int, block_size: int
+                    ) -> dict[int, tuple[tuple[str, str], ...]]:
+    """For each block of [first, end) holding placeholder tokens of a multimodal input (key:
+    its index from `first`): ("mm", "<input's identifier>:<the input's offset from the
+    block's start>") per such input, in the request's order, as vLLM's block hashes carry
+    them (kvcr_core.keys.block_keys_with)."""
+    extras: dict[int, list[tuple[str, str]]] = {}
+    for feature in getattr(request, "mm_features", None) or ():
+        offset, length = feature.mm_position.offset, feature.mm_position.length
+        for block in range(max(first, offset // block_size),
+                           min(end, -(-(offset + length) // block_size))):
+            extras.setdefault(block - first, []).append(
+                ("mm", f"{feature.identifier}:{offset - block * block_size}"))
+    return {block: tuple(pairs) for block, pairs in extras.items()}

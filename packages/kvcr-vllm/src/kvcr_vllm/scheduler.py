@@ -6,9 +6,9 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
 - Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per TP rank's
   namespace, rooted in the request's context (kvcr_vllm.request_context: its cache salt and
   LoRA adapter's content), so requests of another salt or adapter never share KV. Requests
-  whose KV depends on what kvcr cannot name (multimodal inputs, prompt embeddings, an
-  adapter not yet hashed or not a local directory) bypass kvcr, counted: nothing wrong is
-  ever served.
+  whose KV depends on what kvcr cannot name (prompt embeddings, an adapter not yet hashed
+  or not a local directory) bypass kvcr, counted: nothing wrong is ever served. Blocks that
+  hold a multimodal input's placeholder tokens carry its identifier and offset.
 - Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit.
   `update_state_after_alloc` leases the blocks (no eviction while loading) and plans the copy;
   leases are released when the workers report the load done. Host KV caches load
@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, Any
 from kvcr_core.attach import AttachClient, FetchSummary, RunnerError, RunnerOps
 from kvcr_core.config import verifies_loads
 from kvcr_core.hints import HintIntake, HintLimits
-from kvcr_core.keys import NamespaceSpec, block_keys, context_root
+from kvcr_core.keys import NamespaceSpec, block_keys_with, context_root
 from kvcr_core.types import BlockKey, OpId
 from kvcr_vllm.fetches import RequestFetches, RequestState
 from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan, WorkerReport
 from kvcr_vllm.pool_events import PoolEvents
-from kvcr_vllm.request_context import LoraDigests, request_context
+from kvcr_vllm.request_context import LoraDigests, mm_block_extras, request_context
 from kvcr_vllm.request_hints import raw_hint
 from kvcr_vllm.settings import ConnectorSettings
 from kvcr_vllm.stats import StatsRecorder
@@ -68,6 +68,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcr_vllm")
+
+
+def announced(state: RequestState) -> bool:
+    """Whether the request's blocks go into KV events: not a salted, LoRA or multimodal
+    request's (a router matching events by token ids could credit them to other requests)."""
+    return not state.context and not getattr(state.request, "mm_features", None)
 
 
 class KVCRConnectorScheduler:
@@ -121,14 +127,15 @@ class KVCRConnectorScheduler:
     def _keys(self, state: RequestState, n_blocks: int) -> list[list[BlockKey]]:
         """Keys of the first `n_blocks` blocks per rank, extended incrementally."""
         if n_blocks > state.keyed_blocks:
-            bs = self.block_size
-            tokens = list(state.request.all_token_ids[state.keyed_blocks * bs:n_blocks * bs])
+            bs, first = self.block_size, state.keyed_blocks
+            tokens = list(state.request.all_token_ids[first * bs:n_blocks * bs])
+            extras = mm_block_extras(state.request, first, n_blocks, bs)
             if not state.keys:
                 state.keys = [[] for _ in self.specs]
             for rank, spec in enumerate(self.specs):
                 chain = state.keys[rank]
                 parent = chain[-1] if chain else context_root(spec.digest(), state.context)
-                chain.extend(block_keys(parent, tokens, bs))
+                chain.extend(block_keys_with(parent, tokens, bs, extras))
             state.keyed_blocks = len(state.keys[0])
         return [chain[:n_blocks] for chain in state.keys]
 
@@ -184,7 +191,7 @@ class KVCRConnectorScheduler:
 
     def _fetched(self, state: RequestState, summary: FetchSummary) -> None:
         """A fetch made blocks READY: announce those every rank holds now."""
-        if self.events is not None and not state.context:
+        if self.events is not None and announced(state):
             self.events.fetched(state.request, summary.run.start,
                                 self._keys(state, summary.run.end), summary.statuses)
 
@@ -257,8 +264,8 @@ class KVCRConnectorScheduler:
             state.request.request_id, tuple(state.block_ids[first:full]),
             tuple(tuple(k[first:full]) for k in keys)))
         state.planned_blocks = full
-        if self.events is not None and not state.context:  # (a router could not tell a
-            self.events.planned(state.request, first, full, keys)  # salted block from another)
+        if self.events is not None and announced(state):
+            self.events.planned(state.request, first, full, keys)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         report = getattr(output, "kv_connector_worker_meta", None)

@@ -69,7 +69,7 @@ class PeerConfig:
     pull_min_blocks: int = DEFAULT_PULL_MIN_BLOCKS
     """A shorter remote run is recomputed instead (fetching it costs more)."""
     feed_max_blocks: int = DEFAULT_FEED_MAX_BLOCKS
-    """Blocks remembered per followed peer (about 130 bytes each); the oldest go first."""
+    """Blocks remembered per followed peer (about 180 bytes each); the oldest go first."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str):
