@@ -85,10 +85,13 @@ def test_bench_guard_under_attack_runs_every_attack_and_checks_the_engines_block
 
     rows = under_attack["by_case"]
     assert list(rows) == list(CASES)
-    assert all(r["round_trips"] > 100 and r["p99_ms"] > 0 for r in rows.values())
-    assert all(r["engine_blocks_intact"] for c, r in rows.items()
+    ran = {c: r for c, r in rows.items() if not r.get("skipped")}
+    assert all(r["round_trips"] > 100 and r["p99_ms"] > 0 for r in ran.values())
+    skipped = {c for c in rows if c not in ran}
+    assert skipped == (set() if other_uid_unavailable() is None else {"foreign-flood"})
+    assert all(r["engine_blocks_intact"] for c, r in ran.items()
                if c not in ("scribble", "punch"))
-    assert under_attack["summary"]["worst_p99_ms"] == max(r["p99_ms"] for r in rows.values())
+    assert under_attack["summary"]["worst_p99_ms"] == max(r["p99_ms"] for r in ran.values())
 
 
 @pytest.mark.slow
@@ -103,7 +106,8 @@ def test_bench_guard_under_attack_reports_what_each_trust_attack_got(
     rows = under_attack["by_case"]
     other = other_uid_unavailable() is None
     for case in ("capture", "foreign-flood", "fake-server", "punch"):
-        assert rows[case]["attacker"] == ("uid 65534" if other else "same uid*")
+        assert rows[case]["attacker"] == ("uid 65534" if other else
+                                          "-" if case == "foreign-flood" else "same uid*")
     if other:
         assert rows["fake-server"]["refused"] == "untrusted_runner"
         assert rows["fake-server"]["attack"] == {"connections": 1, "received_bytes": 0}
