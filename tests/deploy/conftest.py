@@ -4,7 +4,6 @@ module, so tests get helpers from these fixtures)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from kvcr_core.testing.setup import missing_setup
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -36,10 +37,7 @@ class Tools:
 
     @staticmethod
     def missing(what: str) -> None:
-        message = f"{what} is missing: run bash scripts/setup_deploy.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_setup(f"{what} is missing: run bash scripts/setup_deploy.sh")
 
     def venv(self, name: str) -> str:
         """A command of .venv-deploy (hadolint, kubernetes-validate, checkov, python)."""

@@ -20,6 +20,7 @@ import pytest
 
 from kvcr_core.cli.secret_cmd import generate_secret
 from kvcr_core.keys import NamespaceSpec
+from kvcr_core.testing.setup import missing_setup
 
 pytestmark = pytest.mark.e2e
 
@@ -151,9 +152,7 @@ def parse_router(argv: list[str]) -> Any:
 def sglang_python(repo: Path) -> str:
     python = repo / ".venv-sglang" / "bin" / "python"
     if not python.exists():
-        if os.environ.get("CI"):
-            pytest.fail(".venv-sglang is missing: bash scripts/setup_sglang.sh")
-        pytest.skip("SGLang's environment is made by scripts/setup_sglang.sh")
+        missing_setup(".venv-sglang is missing: run bash scripts/setup_sglang.sh")
     return str(python)
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcr_core.testing.setup import missing_setup
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,10 +44,7 @@ def test_the_sglang_pages_flags_parse_through_sglang_and_kvcr_sglang(index: int,
     `@FILE`, which SGLang 0.5.23 rejects with "invalid loads value"), or a config kvcr-sglang
     refuses or does not load."""
     if not SGLANG_PYTHON.exists():
-        message = ".venv-sglang is missing: run bash scripts/setup_sglang.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_setup(".venv-sglang is missing: run bash scripts/setup_sglang.sh")
     argv = sglang_command_lines("sglang.md")
     assert len(argv) == 2, argv  # the HiCache backend, then the linker
     run = subprocess.run([str(SGLANG_PYTHON), str(HELPER), *argv[index]], cwd=REPO,

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcr_core.testing.setup import missing_setup
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,10 +23,7 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     """Risk: a broken link or anchor, a page missing from the navigation, or a bad fence
     ships in the user guide."""
     if not MKDOCS.exists():
-        message = ".venv-docs/bin/mkdocs is missing: run bash scripts/setup_docs.sh"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_setup(".venv-docs/bin/mkdocs is missing: run bash scripts/setup_docs.sh")
     run = subprocess.run([str(MKDOCS), "build", "--strict", "--site-dir", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, check=False)

@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvcr_bench import dynamo_rig
+from kvcr_core.testing.setup import missing_setup
 
 
 @pytest.fixture(scope="session")
 def dynamo_venv() -> None:
     reason = dynamo_rig.missing()
     if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+        missing_setup(reason)

@@ -23,6 +23,8 @@ own tests and for anyone testing code built on it.
 - `free_port()`: a TCP port on 127.0.0.1 free a moment ago (test and benchmark servers).
 - `as_other_uid(argv)`: a real process of another uid (65534, through setpriv) for trust
   tests; `other_uid_unavailable()` says why none can run here (skip with it).
+- `setup.missing_setup(message)`: fail in CI, skip elsewhere, when a set-up script's
+  product (a side venv, a tool) is absent.
 - `ThreadedCopyEngine`: a copy engine whose CPU copies complete later on a helper thread (held,
   released or failed by the test), so CPU tests check the ordering rules a GPU imposes.
 """
