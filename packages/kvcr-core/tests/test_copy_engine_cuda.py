@@ -141,8 +141,11 @@ def test_a_mapping_that_cannot_be_pinned_still_copies() -> None:
 
 class Attachment:
     def __init__(self) -> None:
-        self.pool = SlotPool.create(8, PLANES * PAGE)
+        self.slots = SlotPool.create(8, PLANES * PAGE)
         self.attach_count = 1
+
+    def pool(self, ns: int = 0) -> SlotPool:
+        return self.slots
 
 
 def test_binding_registers_once_per_attach_and_unregisters_on_release() -> None:
@@ -153,7 +156,7 @@ def test_binding_registers_once_per_attach_and_unregisters_on_release() -> None:
         assert rows.is_pinned()
     with binding.use():
         pass
-    client.pool = SlotPool.create(8, PLANES * PAGE)
+    client.slots = SlotPool.create(8, PLANES * PAGE)
     client.attach_count += 1
     with binding.use() as rows:
         assert rows.is_pinned()

@@ -15,7 +15,7 @@ from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.runner import Runner
 from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
-from kvcr_vllm.settings import ConnectorSettings
+from kvcr_vllm.settings import ConnectorSettings, KVGroup, namespaces_for
 from kvcr_vllm.stats import StatsRecorder
 
 BLOCK_TOKENS = 4
@@ -47,37 +47,48 @@ class FakeRequest:
 
 
 class Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
+    """vLLM's KVCacheBlocks: one list of block ids, or one per KV cache group."""
 
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
+    def __init__(self, ids: list[int], *more_groups: list[int]) -> None:
+        self.ids = (ids, *more_groups)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+def grouped(ids: list[int] | tuple[list[int], ...]) -> tuple[list[int], ...]:
+    return ids if isinstance(ids, tuple) else (ids,)
 
 
 def output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
            cached: list[tuple[str, list[int], int, int, bool]] = ()  # type: ignore[assignment]
            ) -> SimpleNamespace:
     """A SchedulerOutput: new requests (id, block ids, computed, scheduled) and cached ones
-    (id, new block ids, computed, scheduled, resumed)."""
+    (id, new block ids, computed, scheduled, resumed); block ids are a list, or a tuple of one
+    list per KV cache group."""
     return SimpleNamespace(
         num_scheduled_tokens={r[0]: r[3] for r in [*new, *cached]},
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
-                            for r, ids, c, _ in new],
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=grouped(ids),
+                                            num_computed_tokens=c) for r, ids, c, _ in new],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r[0] for r in cached], new_block_ids=[(r[1],) for r in cached],
+            req_ids=[r[0] for r in cached], new_block_ids=[grouped(r[1]) for r in cached],
             resumed_req_ids={r[0] for r in cached if r[4]},
             num_computed_tokens=[r[2] for r in cached]))
 
 
 class Node:
-    """A scheduler over `tp` ranks of one in-process Runner, optionally with peers."""
+    """A scheduler over `tp` ranks of one in-process Runner, optionally with peers;
+    `attention`: a hybrid model's KV cache groups (one namespace per rank and group, as
+    the connector makes them; `stores` and `keys` then index namespaces, not ranks)."""
 
     def __init__(self, tp: int = 1, *, sources: dict[str, Runner | None] | None = None,
                  answer_after_polls: int = 1, extra: dict[str, Any] | None = None,
-                 synchronous_loads: bool = False) -> None:
+                 synchronous_loads: bool = False, attention: tuple[str, ...] = ("full",)
+                 ) -> None:
         self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
                              registry=CollectorRegistry())
-        self.specs = [spec(r, tp) for r in range(tp)]
+        groups = [KVGroup(("layer",), kind, BLOCK) for kind in attention]
+        self.specs = [s for r in range(tp) for s in namespaces_for(spec(r, tp), groups)]
         self.peers = LoopbackPeers(sources, answer_after_polls=answer_after_polls)
         self.ops = ObservedRunner(in_process(self.runner, self.specs, BLOCK, peers=self.peers))
         self.stores = self.ops.ops.stores  # per rank
@@ -90,14 +101,17 @@ class Node:
         self.scheduler = KVCRConnectorScheduler(settings, self.specs, BLOCK, self.stats, "e",
                                                 runner=self.ops, clock=self.clock,
                                                 sleep=self.clock.advance,
-                                                synchronous_loads=synchronous_loads)
+                                                synchronous_loads=synchronous_loads,
+                                                groups=len(groups))
 
     def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
         return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))
 
-    def stock(self, tokens: list[int]) -> None:
-        """Stores the full blocks of `tokens` on every rank."""
+    def stock(self, tokens: list[int], namespaces: list[int] | None = None) -> None:
+        """Stores the full blocks of `tokens` on every rank (or in these namespaces)."""
         for rank, store in enumerate(self.stores):
+            if namespaces is not None and rank not in namespaces:
+                continue
             keys = self.keys(tokens, rank)
             store.store(keys, [pattern_block(k, BLOCK) for k in keys])
 

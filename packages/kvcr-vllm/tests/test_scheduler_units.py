@@ -164,7 +164,7 @@ def test_a_hinted_fetch_asks_again_until_every_rank_has_the_prefix(tp: int) -> N
     for rank, store in enumerate(node.stores):
         keys = node.keys(TOKENS, rank)
         assert store.load(keys) == [pattern_block(k, BLOCK) for k in keys]
-    sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
+    sched.update_state_after_alloc(request, Blocks(list(range(1, 10))), 32)  # (0: vLLM's null)
     (plan,) = sched.build_connector_meta(output()).loads
     assert len(plan.slots_by_rank) == tp and all(len(s) == 8 for s in plan.slots_by_rank)
     counters = node.counters()
@@ -188,7 +188,7 @@ def test_a_short_fetch_is_waited_for_and_loaded_in_the_same_step(pull: bool) -> 
     assert node.ops.calls["peer_fetch"] == 1
     # one lookup (the local prefix before the fetch): the completed fetch answers the hit
     assert node.ops.calls["lookup_all"] == 1
-    sched.update_state_after_alloc(request, Blocks(list(range(9))), 32)
+    sched.update_state_after_alloc(request, Blocks(list(range(1, 10))), 32)  # (0: vLLM's null)
     (plan,) = sched.build_connector_meta(output()).loads
     assert len(plan.block_ids) == 8  # the lease found every fetched block
     counters = node.counters()

@@ -13,6 +13,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -169,6 +170,47 @@ def build_idefics3(out_dir: str | os.PathLike[str], base_dir: str | os.PathLike[
                                        max_image_size={"longest_edge": 64})
     Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4).save_pretrained(out)
     tok.save_pretrained(out)
+    return out
+
+
+def build_gemma3(out_dir: str | os.PathLike[str], base_dir: str | os.PathLike[str], *,
+                 sliding_window: int = 64) -> Path:
+    """A tiny hybrid-attention model (`Gemma3ForCausalLM`: hidden size 256, 4 layers
+    alternating a `sliding_window`-token window and full attention, so vLLM gives it two KV
+    cache groups) with the `test` model's tokenizer, built in `base_dir`. Random weights.
+    Rebuilt only if missing."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists():
+        return out
+    base = build(base_dir, "test")
+    tok = PreTrainedTokenizerFast.from_pretrained(base)
+    spec = PRESETS["test"]
+    building = out.with_name(f"{out.name}.building-{os.getpid()}")  # renamed when complete:
+    # a concurrent builder (another test process) never sees a half-written folder
+    config = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"], num_hidden_layers=4,
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+        query_pre_attn_scalar=spec["head_dim"], sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=spec["max_position_embeddings"], tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, dtype="float32")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # small embeddings (Gemma scales them up): attention sways outputs
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.01 if "embed" in name else 0.1)
+    model.save_pretrained(building, safe_serialization=True)
+    tok.save_pretrained(building)
+    try:
+        building.rename(out)
+    except OSError:  # another process finished first: its folder is the same model
+        shutil.rmtree(building, ignore_errors=True)
     return out
 
 

@@ -12,7 +12,7 @@ runs it; default in-process), `omp_threads` (the engine's OpenMP threads; defaul
 `bad_extra` (first try an invalid extra config and report the start-up error). Prints one
 JSON line per request: output token ids, cached tokens, wall seconds, returned
 kv_transfer_params, the engine's kvcr / prefix-cache metrics after it, and how long the
-engine took to start.
+engine took to start, with its KV blocks and KV cache groups.
 """
 
 from __future__ import annotations
@@ -115,6 +115,15 @@ def lora_of(req: dict[str, Any]) -> Any:
     return LoRARequest(req["lora"]["name"], int(req["lora"]["id"]), req["lora"]["path"])
 
 
+def kv_cache_shape(llm: Any) -> dict[str, Any]:
+    """The engine's KV blocks and KV cache groups (an in-process engine core's; None else)."""
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    return {"kv_blocks": blocks,
+            "kv_groups": len(config.kv_cache_groups) if config is not None else None}
+
+
 def main() -> None:
     job = json.loads(sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1])
     if "multiprocess" in job:  # the engine core in a child process, as `vllm serve` runs it
@@ -132,6 +141,7 @@ def main() -> None:
     began = time.perf_counter()
     llm = make_llm(job, job.get("extra", {}))
     engine_start_s = time.perf_counter() - began
+    kv = kv_cache_shape(llm)
     for req in job["requests"]:
         if req.get("reset_prefix_cache"):
             llm.reset_prefix_cache()  # drop vLLM's own cache: a hit now can only be kvcr's
@@ -147,7 +157,7 @@ def main() -> None:
         print(json.dumps({"tokens": list(out.outputs[0].token_ids),
                           "cached": out.num_cached_tokens, "seconds": time.perf_counter() - start,
                           "params": out.kv_transfer_params, "metrics": metrics(llm),
-                          "engine_start_s": engine_start_s}), flush=True)
+                          "engine_start_s": engine_start_s, **kv}), flush=True)
     if job.get("hold"):
         print(json.dumps({"holding": True}), flush=True)
         time.sleep(3600)

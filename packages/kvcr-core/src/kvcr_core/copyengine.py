@@ -329,7 +329,7 @@ def batch_copies(pairs: Sequence[Pair]) -> list[Gather | Pair]:
 
 
 class Attachable(Protocol):
-    """What `PoolBinding` needs of an attachment (a `RunnerOps`: its first namespace)."""
+    """What `PoolBinding` needs of an attachment (a `RunnerOps`)."""
 
     def pool(self, ns: int = 0) -> SlotPool: ...
 
@@ -338,12 +338,13 @@ class Attachable(Protocol):
 
 
 class PoolBinding:
-    """An attachment's pool as [slots, stride bytes] uint8 rows for one engine, pinned once
-    per attach. After a re-attach, the previous mapping is unpinned (its copies waited for)
-    before this object lets go of it, so a mapping is never unmapped while registered with
-    CUDA; `release` does the same before the caller closes the attachment. Copies that use
-    the rows are issued inside `use()`, under the lock a release takes, so no copy is issued
-    between a release's wait and its unregistering."""
+    """An attachment's pools (one per namespace) as [slots, stride bytes] uint8 rows for one
+    engine, each pinned once per attach, on first use. After a re-attach, the previous
+    mappings are unpinned (their copies waited for) before this object lets go of them, so a
+    mapping is never unmapped while registered with CUDA; `release` does the same before the
+    caller closes the attachment. Copies that use the rows are issued inside `use()`, under
+    the lock a release takes, so no copy is issued between a release's wait and its
+    unregistering."""
 
     def __init__(self, engine: CopyEngine, client: Attachable,
                  on_pin_failed: Callable[[], None] | None = None) -> None:
@@ -351,26 +352,28 @@ class PoolBinding:
         self._client = client
         self._on_pin_failed = on_pin_failed
         self._lock = threading.RLock()
-        self._flat: torch.Tensor | None = None
-        self._rows: torch.Tensor | None = None
+        self._pinned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ns: (flat, rows)
         self._attach = -1
 
     @contextlib.contextmanager
-    def use(self) -> Iterator[torch.Tensor]:
-        """The rows of the current attachment (attaches if needed: RunnerUnavailable)."""
+    def use(self, ns: int = 0) -> Iterator[torch.Tensor]:
+        """Namespace `ns`'s rows of the current attachment (attaches if needed:
+        RunnerUnavailable)."""
         with self._lock:
-            pool = self._client.pool()
-            if self._rows is None or self._attach != self._client.attach_count:
+            pool = self._client.pool(ns)
+            if self._attach != self._client.attach_count:
                 self._drop()
+                self._attach = self._client.attach_count
+            pinned = self._pinned.get(ns)
+            if pinned is None:
                 failures = self.engine.pin_failures
                 flat = self.engine.pin_pool(pool.region)
-                self._flat = flat
-                self._rows = flat[:pool.capacity_slots * pool.stride_bytes].view(
-                    pool.capacity_slots, pool.stride_bytes)
-                self._attach = self._client.attach_count
+                pinned = (flat, flat[:pool.capacity_slots * pool.stride_bytes].view(
+                    pool.capacity_slots, pool.stride_bytes))
+                self._pinned[ns] = pinned
                 if self.engine.pin_failures > failures and self._on_pin_failed is not None:
                     self._on_pin_failed()
-            yield self._rows
+            yield pinned[1]
 
     def release(self) -> None:
         """Waits for copies in flight and unpins; the attachment may then be closed."""
@@ -378,6 +381,6 @@ class PoolBinding:
             self._drop()
 
     def _drop(self) -> None:
-        if self._flat is not None:
-            self.engine.unpin_pool(self._flat)  # first: the views keep the mapping alive
-        self._flat = self._rows = None
+        pinned, self._pinned = self._pinned, {}
+        for flat, _ in pinned.values():
+            self.engine.unpin_pool(flat)  # first: the views keep the mapping alive

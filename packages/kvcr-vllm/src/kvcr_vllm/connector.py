@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -28,7 +29,7 @@ from kvcr_vllm import SUPPORTED_VLLM_TEXT, supports_vllm
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
 from kvcr_vllm.router_tier import guard_endpoint_problem
-from kvcr_vllm.settings import ConnectorSettings, block_bytes_for, namespace_for
+from kvcr_vllm.settings import ConnectorSettings, kv_groups, namespace_for, namespaces_for
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
 if TYPE_CHECKING:
@@ -79,7 +80,11 @@ def attach_at_start(clients: Iterable[AttachClient], socket: str) -> None:
             return
 
 
-class KVCRConnector(KVConnectorBase_V1):
+class KVCRConnector(KVConnectorBase_V1, SupportsHMA):
+    """`SupportsHMA`: hybrid models (sliding-window or chunked-local layers beside full
+    attention) keep vLLM's hybrid memory manager; each KV cache group's blocks are kept in a
+    namespace of their own (kvcr_vllm.settings.namespaces_for)."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -93,7 +98,9 @@ class KVCRConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra_config(
             transfer.kv_connector_extra_config or {}, engine_id, dp_rank or 0)
         self.stats = StatsRecorder()
-        block_bytes = block_bytes_for(kv_cache_config)
+        self.groups = kv_groups(kv_cache_config,
+                                str(getattr(vllm_config.model_config.hf_config, "model_type", "")))
+        block_bytes = self.groups[0].block_bytes
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: KVCRConnectorScheduler | None = None
         self._worker = None
@@ -108,8 +115,9 @@ class KVCRConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
             self._worker = KVCRConnectorWorker(
-                self.settings, namespace_for(vllm_config, rank), rank, block_bytes,
-                kv_cache_config.num_blocks, self.stats, engine_id)
+                self.settings, namespaces_for(namespace_for(vllm_config, rank), self.groups),
+                rank, block_bytes, kv_cache_config.num_blocks, self.stats, engine_id,
+                groups=[group.layer_names for group in self.groups])
 
     def _start_scheduler(self, vllm_config: VllmConfig, block_bytes: int, engine_id: str,
                          dp_rank: int) -> KVCRConnectorScheduler:
@@ -123,7 +131,8 @@ class KVCRConnector(KVConnectorBase_V1):
                      "fail a request)")
             transfer.kv_load_failure_policy = "recompute"
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        specs = [namespace_for(vllm_config, rank) for rank in range(tp_size)]
+        specs = [spec for rank in range(tp_size)  # rank-major: rank r, group g at r * G + g
+                 for spec in namespaces_for(namespace_for(vllm_config, rank), self.groups)]
         identity = self.settings.identity or f"vllm-scheduler-{engine_id[:12]}"
         runner: RunnerOps | None = None
         if self.settings.mode is Mode.EMBEDDED:
@@ -140,6 +149,7 @@ class KVCRConnector(KVConnectorBase_V1):
             self.settings, specs, block_bytes, self.stats, engine_id, runner=runner,
             peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
             publish_events=bool(events is not None and events.enable_kv_cache_events),
+            groups=len(self.groups),
             synchronous_loads=vllm_config.device_config.device_type == "cpu")
         if isinstance(scheduler.runner, AttachClient):
             attach_at_start([scheduler.runner], self.settings.socket)
@@ -255,6 +265,12 @@ class KVCRConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call when its hybrid memory manager is on (any model, one group or more)."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         assert self._scheduler is not None

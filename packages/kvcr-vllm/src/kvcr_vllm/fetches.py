@@ -69,7 +69,7 @@ class RequestState:
     phase: FetchPhase = FetchPhase.NONE
     fetch: HintedFetch | None = None  # while HINTED or PULLING
     fetched_through: int = 0  # a fetch just made blocks [0, this) READY on every rank
-    block_ids: list[int] = dataclasses.field(default_factory=list)  # vLLM blocks, group 0
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)  # vLLM's, per group
     planned_blocks: int = 0  # blocks [0, planned) are saved, planned, or came from kvcr
     finished: bool = False
 

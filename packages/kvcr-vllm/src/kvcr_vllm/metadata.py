@@ -1,7 +1,7 @@
 """Plain-data plans the scheduler side sends to the workers inside vLLM's connector
 metadata. Picklable: ids, slots and keys only, no handles, no tensors.
 
-Per TP rank: each rank has its own namespace, so its own keys and slots.
+Per TP rank and KV cache group: each has its own namespace, so its own keys and slots.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ class LoadPlan:
     `checksums_by_rank`: each slot's committed checksum, when loads are verified.
     `synchronous`: the request runs in the step that loads it (the copy precedes the
     forward pass; the workers report it done in their `WorkerReport`), else it waits in vLLM's
-    WAITING_FOR_REMOTE_KVS until the workers report it through `get_finished`."""
+    WAITING_FOR_REMOTE_KVS until the workers report it through `get_finished`. `group`: the
+    KV cache group whose blocks these are (a request has one plan per group; the workers
+    report it loaded once every plan is)."""
 
     req_id: str
     block_ids: tuple[int, ...]
@@ -28,16 +30,19 @@ class LoadPlan:
     failed_block_ids: tuple[int, ...] = ()
     checksums_by_rank: tuple[tuple[int, ...], ...] = ()
     synchronous: bool = False
+    group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class SavePlan:
     """Blocks whose KV this step completes: each worker reserves their keys in its rank's
-    namespace, copies the blocks it was granted and commits them."""
+    namespace of the plan's KV cache `group`, copies the blocks it was granted and commits
+    them."""
 
     req_id: str
     block_ids: tuple[int, ...]
     keys_by_rank: tuple[tuple[bytes, ...], ...]
+    group: int = 0
 
 
 @dataclasses.dataclass

@@ -70,13 +70,16 @@ class _Step:
 
 class SavePipeline:
     def __init__(self, client: RunnerOps, binding: PoolBinding,
-                 layers: dict[str, list[Plane]], tp_rank: int, block_tokens: int,
+                 layers: list[dict[str, list[Plane]]], tp_rank: int, block_tokens: int,
                  stats: StatsRecorder, sealer: Sealer) -> None:
+        """`layers`: per KV cache group (the client's namespace of the same index), its
+        layers' planes."""
         self.client = client
         self.sealer = sealer
         self.binding = binding
         self.engine = binding.engine
         self.layers = layers
+        self.group_of = {name: g for g, group in enumerate(layers) for name in group}
         self.tp_rank = tp_rank
         self.block_tokens = block_tokens
         self.stats = stats
@@ -105,7 +108,7 @@ class SavePipeline:
         for plan in metadata.saves:
             keys = cast("Sequence[BlockKey]", plan.keys_by_rank[self.tp_rank])
             try:
-                saves.append(_Save(plan, self.client.reserve_async(keys),
+                saves.append(_Save(plan, self.client.reserve_async(keys, plan.group),
                                    self.client.attach_count))
             except Exception as exc:  # a kvcr fault never reaches vLLM: the save is lost
                 save = _Save(plan, None)
@@ -116,14 +119,14 @@ class SavePipeline:
 
     def save_layer(self, metadata: KVCRConnectorMetadata, layer_name: str) -> None:
         """Copies one layer of the step's granted blocks (asynchronous engines)."""
-        planes = self.layers.get(layer_name)
-        if planes is None or not metadata.saves:
+        group = self.group_of.get(layer_name)
+        if group is None or not metadata.saves:
             return
         step = self.begin(metadata)
         step.layers[layer_name] += 1
         if step.layers[layer_name] == 1:
             self._resolve(step)
-            self._copy(step, planes)
+            self._copy(step, group, self.layers[group][layer_name])
         # A second forward in the step rewrote the layer: `finish` copies every layer again.
 
     def finish(self, metadata: KVCRConnectorMetadata) -> None:
@@ -133,10 +136,11 @@ class SavePipeline:
         step = self.begin(metadata)
         self._resolve(step)
         again = any(n > 1 for n in step.layers.values())
-        planes = [plane for name, layer in self.layers.items()
-                  if again or name not in step.layers for plane in layer]
-        if planes:
-            self._copy(step, planes)
+        for group, layers in enumerate(self.layers):
+            planes = [plane for name, layer in layers.items()
+                      if again or name not in step.layers for plane in layer]
+            if planes:
+                self._copy(step, group, planes)
         self._step = None
         if step.live():
             step.job = self.engine.record()
@@ -211,14 +215,15 @@ class SavePipeline:
                 save.blocks, save.slots, save.keys = (tuple(x) for x in zip(*granted,
                                                                              strict=True))
 
-    def _copy(self, step: _Step, planes: list[Plane]) -> None:
-        """Issues one engine call for every live save of the step (one wait on vLLM's stream
-        per layer, not per request); a save that cannot be planned fails alone."""
-        live = step.live()
+    def _copy(self, step: _Step, group: int, planes: list[Plane]) -> None:
+        """Issues one engine call for every live save of the step's KV cache `group` (one wait
+        on vLLM's stream per layer, not per request); a save that cannot be planned fails
+        alone."""
+        live = [save for save in step.live() if save.plan.group == group]
         if not live:
             return
         try:
-            with self.binding.use() as rows:
+            with self.binding.use(group) as rows:
                 calls: list[BlockCopy] = []
                 for save in live:
                     try:
@@ -237,7 +242,7 @@ class SavePipeline:
         try:
             if save.attach != self.client.attach_count:
                 raise RunnerUnavailable("reattached", "its slots are gone")
-            view = self.client.pool().view
+            view = self.client.pool(save.plan.group).view
             views = [view(SlotId(slot)) for slot in save.slots]
         except Exception as exc:
             self._fail(save, exc)
@@ -248,7 +253,7 @@ class SavePipeline:
         """On a sealer thread: the commit, with the checksums just taken."""
         assert save.op is not None
         try:
-            self.client.commit_nowait(save.op, checksums=checksums)
+            self.client.commit_nowait(save.op, checksums=checksums, ns=save.plan.group)
         except Exception as exc:
             self._sealed.append((save, exc))
         else:
@@ -273,7 +278,7 @@ class SavePipeline:
             save_failed(self.stats, save.plan, exc)
         if save.op is not None:
             with contextlib.suppress(RunnerError):
-                self.client.abort(save.op)
+                self.client.abort(save.op, save.plan.group)
 
 
 def save_failed(stats: StatsRecorder, plan: SavePlan, exc: BaseException) -> None:

@@ -3,15 +3,20 @@
 Decides, per request, which blocks to load from kvcr and which to save, and hands workers
 plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
 
-- Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per TP rank's
-  namespace, rooted in the request's context (kvcr_vllm.request_context: its cache salt and
-  LoRA adapter's content), so requests of another salt or adapter never share KV. Requests
-  whose KV depends on what kvcr cannot name (prompt embeddings, an adapter not yet hashed
-  or not a local directory) bypass kvcr, counted: nothing wrong is ever served. Blocks that
-  hold a multimodal input's placeholder tokens carry its identifier and offset.
+- Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per namespace (one
+  per TP rank and KV cache group: a hybrid model's sliding-window and full-attention groups
+  have their own blocks, so their own namespaces, rank-major), rooted in the request's
+  context (kvcr_vllm.request_context: its cache salt and LoRA adapter's content), so
+  requests of another salt or adapter never share KV. Requests whose KV depends on what kvcr
+  cannot name (prompt embeddings, an adapter not yet hashed or not a local directory) bypass
+  kvcr, counted: nothing wrong is ever served. Blocks that hold a multimodal input's
+  placeholder tokens carry its identifier and offset.
 - Load: `get_num_new_matched_tokens` looks up blocks beyond vLLM's own prefix hit.
   `update_state_after_alloc` leases the blocks (no eviction while loading) and plans the copy;
-  leases are released when the workers report the load done. Host KV caches load
+  leases are released when the workers report the load done. A prefix is a hit when every
+  namespace holds all its blocks; each group's plan copies the blocks vLLM allocated for it
+  (a sliding-window group's blocks outside the window are vLLM's null block: leased, so kept
+  warm with the prefix, never copied). Host KV caches load
   synchronously (`(n, False)`): the workers copy before the forward pass of the step that
   runs the request, so a hit costs no extra engine step (an asynchronous load parks the
   request for a whole step, which under load is another batch's forward pass); at most
@@ -68,6 +73,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcr_vllm")
+NULL_BLOCK = 0  # vLLM's null block (a sliding-window group's blocks outside the window)
 
 
 def announced(state: RequestState) -> bool:
@@ -80,7 +86,7 @@ class KVCRConnectorScheduler:
     def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
                  peer_endpoint: str | None = None, runner: RunnerOps | None = None,
-                 publish_events: bool = False, synchronous_loads: bool = False,
+                 publish_events: bool = False, synchronous_loads: bool = False, groups: int = 1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """`runner`: the Runner's operations for every rank's namespace, in rank order (the
@@ -88,9 +94,12 @@ class KVCRConnectorScheduler:
         `AttachClient`. `clock` and `sleep` time the fetch waits; the embedded Runner's
         `peer_endpoint` is reported in each finished request's params; `publish_events`:
         announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
-        `synchronous_loads`: load in the step that runs the request (host KV caches)."""
+        `synchronous_loads`: load in the step that runs the request (host KV caches);
+        `groups`: vLLM's KV cache groups (`specs` holds rank r's group g at r * groups + g)."""
         self.settings = settings
         self.specs = specs
+        self.groups = groups
+        self.ranks = len(specs) // groups
         self.block_size = specs[0].block_size_tokens
         self.block_bytes = block_bytes
         self.stats = stats
@@ -203,7 +212,7 @@ class KVCRConnectorScheduler:
         bs = self.block_size
         first = state.local_tokens // bs
         count = -(-num_external_tokens // bs)
-        block_ids = blocks.get_block_ids()[0][first:first + count]
+        ids = [list(group[first:first + count]) for group in blocks.get_block_ids()]
         keys = [k[first:first + count] for k in self._keys(state, first + count)]
         verify = verifies_loads(self.settings.runner.verify_loads, self.runner.shared)
         try:
@@ -215,17 +224,21 @@ class KVCRConnectorScheduler:
             self.stats.failure("guard_unavailable")
             ops, slots, sums = [], [(None,) * count for _ in self.specs], []
         granted = min(next((i for i, s in enumerate(r) if s is None), len(r)) for r in slots)
-        if granted < len(block_ids):
-            self.stats.failure("evicted_before_load", len(block_ids) - granted)
+        if granted < count:
+            self.stats.failure("evicted_before_load", count - granted)
         state.loading_ops = ops
         state.loaded_tokens = min(granted * bs, num_external_tokens)
         state.planned_blocks = max(state.planned_blocks, first + granted)  # already in kvcr
         self.stats.add("lookup_hit_tokens", num_external_tokens)
-        self._pending_loads.append(LoadPlan(
-            request.request_id, tuple(block_ids[:granted]),
-            tuple(tuple(int(s) for s in r[:granted] if s is not None) for r in slots),
-            tuple(block_ids[granted:]), tuple(s[:granted] for s in sums) if verify else (),
-            self.synchronous_loads))
+        for g, group_ids in enumerate(ids):
+            ns = range(g, len(self.specs), self.groups)  # this group's namespace of each rank
+            copy = [i for i in range(min(granted, len(group_ids))) if group_ids[i] != NULL_BLOCK]
+            self._pending_loads.append(LoadPlan(
+                request.request_id, tuple(group_ids[i] for i in copy),
+                tuple(tuple(int(slots[n][i]) for i in copy) for n in ns),  # type: ignore[arg-type]
+                tuple(b for b in group_ids[granted:] if b != NULL_BLOCK),
+                tuple(tuple(sums[n][i] for i in copy) for n in ns) if verify else (),
+                self.synchronous_loads, group=g))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCRConnectorMetadata:
         meta = KVCRConnectorMetadata(self._pending_loads, [], self.settings.socket)
@@ -235,7 +248,7 @@ class KVCRConnectorScheduler:
             for new in scheduler_output.scheduled_new_reqs:
                 state = self._requests.get(new.req_id)
                 if state is not None:
-                    state.block_ids = list(new.block_ids[0])
+                    state.block_ids = [list(group) for group in new.block_ids]
                     self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
@@ -244,25 +257,33 @@ class KVCRConnectorScheduler:
                     continue
                 new_ids = cached.new_block_ids[i]
                 if req_id in cached.resumed_req_ids:
-                    state.block_ids = list(new_ids[0]) if new_ids else []
+                    state.block_ids = [list(group) for group in new_ids or ()]
                 elif new_ids:
-                    state.block_ids.extend(new_ids[0])
+                    if not state.block_ids:
+                        state.block_ids = [[] for _ in new_ids]
+                    for have, more in zip(state.block_ids, new_ids, strict=True):
+                        have.extend(more)
                 self._plan_saves(state, cached.num_computed_tokens[i] + scheduled[req_id], meta)
         return meta
 
     def _plan_saves(self, state: RequestState, tokens_done: int,
                     meta: KVCRConnectorMetadata) -> None:
-        """Plans the full blocks this step completes that kvcr may lack."""
-        if state.bypass:
+        """Plans the full blocks this step completes that kvcr may lack: per KV cache group,
+        those vLLM holds a block for (not a sliding-window group's null blocks)."""
+        if state.bypass or not state.block_ids:
             return
-        full = min(tokens_done // self.block_size, len(state.block_ids))
+        full = min(tokens_done // self.block_size, *(len(ids) for ids in state.block_ids))
         if full <= state.planned_blocks:
             return
         first = state.planned_blocks
         keys = self._keys(state, full)
-        meta.saves.append(SavePlan(
-            state.request.request_id, tuple(state.block_ids[first:full]),
-            tuple(tuple(k[first:full]) for k in keys)))
+        for g, group_ids in enumerate(state.block_ids):
+            saved = [i for i in range(first, full) if group_ids[i] != NULL_BLOCK]
+            if saved:
+                meta.saves.append(SavePlan(
+                    state.request.request_id, tuple(group_ids[i] for i in saved),
+                    tuple(tuple(keys[n][i] for i in saved)
+                          for n in range(g, len(self.specs), self.groups)), group=g))
         state.planned_blocks = full
         if self.events is not None and announced(state):
             self.events.planned(state.request, first, full, keys)

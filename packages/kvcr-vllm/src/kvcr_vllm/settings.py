@@ -109,11 +109,81 @@ def namespace_for(vllm_config: VllmConfig, tp_rank: int) -> NamespaceSpec:
         tp_size=int(parallel.tensor_parallel_size), tp_rank=tp_rank)
 
 
-def block_bytes_for(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes of one block of every layer (one kvcr slot), from vLLM's KV cache spec."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError("kv_cache_groups", len(groups),
-                          "kvcr supports models with one KV cache group (full attention)")
-    group = groups[0]
-    return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+@dataclasses.dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups: layers that share a block table. Each group's blocks
+    live in a namespace of their own (`namespaces_for`), so a key names its group."""
+
+    layer_names: tuple[str, ...]
+    attention: str
+    """"full", "mla", "sliding_window:W" or "chunked_local:C": which blocks of a prefix the
+    group's layers read (the namespace carries it)."""
+    block_bytes: int
+
+
+def _attention_kind(spec: object, model_type: str) -> str:
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    kind = type(spec)
+    if kind is FullAttentionSpec:
+        return "full"
+    if kind is MLAAttentionSpec:
+        return "mla"
+    if kind in (SlidingWindowSpec, SlidingWindowMLASpec):
+        return f"sliding_window:{spec.sliding_window}"  # type: ignore[attr-defined]
+    if kind is ChunkedLocalAttentionSpec:
+        return f"chunked_local:{spec.attention_chunk_size}"  # type: ignore[attr-defined]
+    raise ConfigError(
+        "kv_cache_groups", kind.__name__,
+        f"kvcr keeps per-token attention KV (full, MLA, sliding-window, chunked-local); this "
+        f"model (model_type {model_type}) has a {kind.__name__} KV cache group (state kvcr "
+        "cannot reuse by prefix: Mamba and linear-attention layers, cross- or encoder-only "
+        "attention). Serve it without KVCRConnector in --kv-transfer-config")
+
+
+def kv_groups(kv_cache_config: KVCacheConfig, model_type: str = "") -> list[KVGroup]:
+    """vLLM's KV cache groups, checked: one for a full-attention model, several for a hybrid
+    one (vLLM's hybrid memory manager on). Raises ConfigError for a group kvcr cannot serve
+    and for groups of unequal block bytes (every slot of a Runner has one size)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            kinds = {_attention_kind(s, model_type) for s in spec.kv_cache_specs.values()}
+            nbytes = sum(int(s.page_size_bytes) for s in spec.kv_cache_specs.values())
+            kind = min(kinds) if len(kinds) == 1 else "+".join(sorted(kinds))
+        else:
+            kind = _attention_kind(spec, model_type)
+            nbytes = int(spec.page_size_bytes) * len(group.layer_names)
+        groups.append(KVGroup(tuple(group.layer_names), kind, nbytes))
+    if not groups:
+        raise ConfigError("kv_cache_groups", 0, "this model has no KV cache for kvcr to keep")
+    sizes = sorted({g.block_bytes for g in groups})
+    if len(sizes) > 1:
+        raise ConfigError(
+            "kv_cache_groups", [g.block_bytes for g in groups],
+            f"kvcr needs every KV cache group's block to be one size (model_type {model_type} "
+            f"gives {sizes} bytes); serve it without KVCRConnector, or with vLLM's hybrid "
+            "memory manager off (--disable-hybrid-kv-cache-manager)")
+    return groups
+
+
+def namespaces_for(base: NamespaceSpec, groups: list[KVGroup]) -> list[NamespaceSpec]:
+    """One namespace per KV cache group, in vLLM's group order. A single group's is `base`
+    itself (the keys of a full-attention model do not change); several groups' carry the
+    group's index and attention, and its layer count."""
+    if len(groups) == 1:
+        return [base]
+    return [dataclasses.replace(base, num_layers=len(group.layer_names),
+                                extra={**base.extra, "kv_group": f"{g}/{len(groups)}",
+                                       "attention": group.attention})
+            for g, group in enumerate(groups)]
+

@@ -57,28 +57,34 @@ log = logging.getLogger("kvcr_vllm")
 
 
 class KVCRConnectorWorker:
-    def __init__(self, settings: ConnectorSettings, spec: NamespaceSpec, tp_rank: int,
-                 block_bytes: int, num_blocks: int, stats: StatsRecorder,
-                 engine_id: str, *, copy_engine: CopyEngine | None = None) -> None:
-        """`copy_engine`: None picks one from the KV tensors' device at registration."""
+    def __init__(self, settings: ConnectorSettings, specs: NamespaceSpec | list[NamespaceSpec],
+                 tp_rank: int, block_bytes: int, num_blocks: int, stats: StatsRecorder,
+                 engine_id: str, *, groups: list[tuple[str, ...]] | None = None,
+                 copy_engine: CopyEngine | None = None) -> None:
+        """`specs`: this rank's namespace of each KV cache group; `groups`: each group's layer
+        names (None: one group, every layer); `copy_engine`: None picks one from the KV
+        tensors' device at registration."""
+        specs = [specs] if isinstance(specs, NamespaceSpec) else list(specs)
         self.settings = settings
         self.tp_rank = tp_rank
         self.block_bytes = block_bytes
-        self.block_tokens = spec.block_size_tokens
+        self.groups = groups
+        self.block_tokens = specs[0].block_size_tokens
         self.num_blocks = num_blocks
         self.stats = stats
         identity = settings.identity or f"vllm-worker-{engine_id[:12]}-tp{tp_rank}"
-        self.client = AttachClient(settings.socket, spec, block_bytes, identity=identity,
+        self.client = AttachClient(settings.socket, specs, block_bytes, identity=identity,
                                   timeout_s=settings.timeout_s, map_pages=True,
                                   runner_uids=settings.trusted_runner_uids)
         self.copy_engine = copy_engine
         self.sealer = Sealer(hash_thread_count(settings.runner.hash_threads),
                               name=f"kvcr-sealer-tp{tp_rank}")
-        self._planes: list[Plane] = []  # (bytes [blocks, page], offset in the slot, page)
-        self._layers: dict[str, list[Plane]] = {}
+        self._planes: list[list[Plane]] = []  # per group: (bytes [blocks, page], offset in
+        # the slot, page)
         self._binding: PoolBinding | None = None
         self._saves: SavePipeline | None = None
         self._loads: list[tuple[LoadPlan, CopyJob, float]] = []  # issued, not yet complete
+        self._open_loads: dict[str, int] = {}  # a request's plans (one per group) not finished
         self._done_recving: set[str] = set()
         self._done_sync: set[str] = set()
         self._load_errors: set[int] = set()
@@ -88,12 +94,18 @@ class KVCRConnectorWorker:
     # -- registration --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Views every layer's KV tensor as [num_blocks, page bytes] (no copy)."""
+        """Views every layer's KV tensor as [num_blocks, page bytes] (no copy), grouped by KV
+        cache group. (Layers of several groups may share one tensor: their blocks are
+        different blocks of it.)"""
         import torch
 
-        layers: dict[str, list[Plane]] = {}
-        offset = 0
+        group_of = {name: g for g, names in enumerate(self.groups or ()) for name in names}
+        layers: list[dict[str, list[Plane]]] = [{} for _ in self.groups or [()]]
+        offsets = [0] * len(layers)
         for name, tensor in kv_caches.items():
+            g = group_of.get(name, 0) if self.groups else 0
+            if self.groups and name not in group_of:
+                continue  # no KV cache group: nothing vLLM's block tables address
             if tensor.shape[0] == self.num_blocks:
                 parts = [tensor]
             elif tensor.dim() > 1 and tensor.shape[0] == 2 and tensor.shape[1] == self.num_blocks:
@@ -108,15 +120,16 @@ class KVCRConnectorWorker:
                     self._disable(f"layer {name} pages are not contiguous ({exc})")
                     return
                 page = as_bytes.shape[1]
-                layers.setdefault(name, []).append((as_bytes, offset, page))
-                offset += page
-        if offset != self.block_bytes:
-            self._disable(f"KV pages add up to {offset} bytes per block, the KV cache spec "
-                          f"says {self.block_bytes}")
+                layers[g].setdefault(name, []).append((as_bytes, offsets[g], page))
+                offsets[g] += page
+        if any(offset != self.block_bytes for offset in offsets):
+            self._disable(f"KV pages add up to {offsets} bytes per block (per KV cache group), "
+                          f"the KV cache spec says {self.block_bytes}")
             return
-        self._layers = layers
-        self._planes = [plane for planes in layers.values() for plane in planes]
-        engine = self.copy_engine or engine_for(self._planes[0][0].device)
+        self._planes = [[plane for planes in group.values() for plane in planes]
+                        for group in layers]
+        offset = self.block_bytes
+        engine = self.copy_engine or engine_for(self._planes[0][0][0].device)
         self.copy_engine = engine
         self._binding = PoolBinding(engine, self.client,
                                     on_pin_failed=lambda: self.stats.failure("pin_failed"))
@@ -125,8 +138,9 @@ class KVCRConnectorWorker:
         if engine.asynchronous and self.settings.mode is Mode.GUARDED:  # pin now, not in the
             with contextlib.suppress(RunnerError), self._binding.use():  # first step's copies
                 pass  # (an embedded Runner is not up yet: the first copy pins)
-        log.info("kvcr worker tp%d: %d planes, %d bytes per block, %s copies, pool at %s",
-                 self.tp_rank, len(self._planes), offset, type(engine).__name__,
+        log.info("kvcr worker tp%d: %d KV cache groups of %d planes, %d bytes per block, %s "
+                 "copies, pool at %s", self.tp_rank, len(self._planes), len(self._planes[0]),
+                 offset, type(engine).__name__,
                  self.settings.socket.replace("\0", "@"))
 
     def _disable(self, why: str) -> None:
@@ -151,6 +165,8 @@ class KVCRConnectorWorker:
 
     def start_load_kv(self, metadata: KVCRConnectorMetadata) -> None:
         began = time.perf_counter()  # (a CPU load copies while it is issued)
+        for plan in metadata.loads:
+            self._open_loads[plan.req_id] = self._open_loads.get(plan.req_id, 0) + 1
         issued = [plan for plan in metadata.loads if self._issue_load(plan)]
         if issued:
             assert self.copy_engine is not None
@@ -228,8 +244,8 @@ class KVCRConnectorWorker:
             return False
         try:
             binding = self._ready()
-            with binding.use() as rows:
-                copy_blocks(binding.engine, self._planes, rows,
+            with binding.use(plan.group) as rows:
+                copy_blocks(binding.engine, self._planes[plan.group], rows,
                             [(plan.block_ids, plan.slots_by_rank[self.tp_rank])],
                             into_pool=False)
         except Exception as exc:
@@ -267,25 +283,30 @@ class KVCRConnectorWorker:
         self._finished(plan)
 
     def _finished(self, plan: LoadPlan) -> None:
-        """Reported done where vLLM looks: a synchronous load with the step's output
-        (`report`), an asynchronous one through `get_finished`."""
+        """Reported done where vLLM looks, once every group's plan of its request is: a
+        synchronous load with the step's output (`report`), an asynchronous one through
+        `get_finished`."""
+        left = self._open_loads.pop(plan.req_id, 1) - 1
+        if left > 0:
+            self._open_loads[plan.req_id] = left
+            return
         (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
 
     def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:
         """Blocks loaded with other bytes than those committed (changed in the pool since)
         are load errors: vLLM recomputes them."""
         bad = [block for block, slot, want in zip(plan.block_ids, slots, sums, strict=True)
-               if self._loaded_checksum(block, slot) != want]
+               if self._loaded_checksum(plan.group, block, slot) != want]
         if bad:
             self.stats.failure("load_checksum", len(bad))
             self._load_errors.update(bad)
             log.warning("kvcr: %d blocks of %s changed in the pool since their commit; "
                         "recomputing them", len(bad), plan.req_id)
 
-    def _loaded_checksum(self, block: int, slot: int) -> int:
+    def _loaded_checksum(self, group: int, block: int, slot: int) -> int:
         """The checksum of what the KV cache now holds in `block` (host caches: so a writer
         racing the copy cannot slip by); of the pool slot after the copy (device caches:
         checking them would cost a copy back)."""
-        if self._planes[0][0].device.type != "cpu":
-            return block_checksum(self.client.pool().view(SlotId(slot)))
-        return parts_checksum(plane[block].numpy().data for plane, _, _ in self._planes)
+        if self._planes[group][0][0].device.type != "cpu":
+            return block_checksum(self.client.pool(group).view(SlotId(slot)))
+        return parts_checksum(plane[block].numpy().data for plane, _, _ in self._planes[group])

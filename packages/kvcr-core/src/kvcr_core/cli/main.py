@@ -52,6 +52,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                "misbehaves, one way at a time")
         if name == "serve":
             _serve_options(extra)
+        if name == "vllm":
+            extra.add_argument("--modes", default=None, metavar="MODES",
+                               help="engine modes to time, comma-separated: inproc, mp "
+                               "(default both)")
         if name == "copy":
             extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                                help="where the KV tensors live (auto: cuda when available)")
@@ -125,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         options: dict[str, object] = (
             {"under_attack": True} if getattr(args, "under_attack", False) else {})
-        for option in ("device", "prefill_cap", "back_ahead", "cap_rule"):
+        for option in ("device", "prefill_cap", "back_ahead", "cap_rule", "modes"):
             if getattr(args, option, None) is not None:
                 options[option] = getattr(args, option)
         result: int = found[0].load()(quick=args.quick, as_json=args.json, **options)
