@@ -147,3 +147,39 @@ def test_port_zero_picks_any_free_port() -> None:
     fields = EngineSettings.fields_from({"metrics_listen": "127.0.0.1:0"}, field="cfg",
                                         default_socket="x")
     assert fields["metrics_listen"] == ("127.0.0.1", 0)
+
+
+def test_kvcr_status_names_why_two_engines_of_one_model_never_share() -> None:
+    """Risk: an operator mixes TP sizes (or block sizes, or engine builds) of one model, reuse
+    is zero by design, and nothing says why."""
+    import dataclasses
+
+    runner = embedded("unshared", pool_bytes=256 * BLOCK,
+                      kvcr={"namespace_pool_bytes": 32 * BLOCK})
+    tp1 = dataclasses.replace(SPEC, model_id="org/model")
+    tp2 = [dataclasses.replace(tp1, tp_size=2, tp_rank=r, num_kv_heads=1) for r in (0, 1)]
+    other = dataclasses.replace(SPEC, model_id="org/other")
+    clients = [AttachClient(runner.socket_path, [tp1, other], BLOCK, identity="engine-a"),
+               AttachClient(runner.socket_path, tp2, BLOCK, identity="engine-b")]
+    try:
+        for client in clients:
+            client.attach()
+        name = "@" + runner.socket_path[1:]
+        out = subprocess.run([KVCR, "status", "--socket", name, "--json"], capture_output=True,
+                             text=True, timeout=30, check=False)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        (entry,) = report["unshared"]  # org/other has one namespace: nothing to say
+        assert entry["model"] == "org/model"
+        assert entry["differs"] == {"tp_size": [1, 2], "num_kv_heads": [1, 2]}
+        assert sorted(entry["namespaces"]) == sorted(s.digest().hex() for s in [tp1, *tp2])
+        models = {ns["namespace"]: (ns["model"], ns["tp_rank"]) for ns in report["namespaces"]}
+        assert models[tp2[1].digest().hex()] == ("org/model", 1)
+        table = subprocess.run([KVCR, "status", "--socket", name], capture_output=True,
+                               text=True, timeout=30, check=False).stdout
+        assert "NOTE model org/model: 3 namespaces never share blocks" in table
+        assert "tp_size 1, 2" in table
+    finally:
+        for client in clients:
+            client.close()
+        runner.stop()

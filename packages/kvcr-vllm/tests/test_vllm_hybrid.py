@@ -33,4 +33,5 @@ def test_a_hybrid_model_is_reused_across_engines_with_its_hybrid_manager_on(
     assert read["tokens"] == written["tokens"]
     metrics = read["metrics"]
     assert metrics["vllm:kvcr_loaded_blocks"] >= FULL // 32 - 1  # the full group's, at least
+    assert metrics["vllm:kvcr_loaded_tokens"] == read["cached"]  # counted once per request
     assert written["metrics"]["vllm:kvcr_stored_blocks"] == 2 * (FULL // 32)  # both groups

@@ -60,6 +60,9 @@ class NamespaceStore:
         """Leases check their slots for punched holes (memfd pools other processes map)."""
         self._metrics = metrics
         self._clock = time.perf_counter
+        self.spec: NamespaceSpec | None = None
+        """What the namespace is (None when it was opened by digest alone): `kvcr status`
+        names what keeps two engines' namespaces of one model apart."""
 
     @property
     def block_bytes(self) -> int:
@@ -284,6 +287,8 @@ class Runner:
             if self._closed:
                 raise ClosedError("runner is closed")
             store = self._stores.get(digest)
+            if store is not None and store.spec is None and isinstance(namespace, NamespaceSpec):
+                store.spec = namespace
             if store is not None:
                 if store.block_bytes != block_bytes:
                     raise ValueError(f"namespace {digest.hex()} holds blocks of "
@@ -319,6 +324,7 @@ class Runner:
                                max_leases=cfg.max_leases)
             index.listener = _NamespaceEvents(self.inventory, digest)
             store = NamespaceStore(digest, SlotPool(region, block_bytes), index, self.metrics)
+            store.spec = namespace if isinstance(namespace, NamespaceSpec) else None
             self._stores[digest] = store
             return store
 

@@ -85,6 +85,7 @@ class KVCRConnectorWorker:
         self._saves: SavePipeline | None = None
         self._loads: list[tuple[LoadPlan, CopyJob, float]] = []  # issued, not yet complete
         self._open_loads: dict[str, int] = {}  # a request's plans (one per group) not finished
+        self._loaded: dict[str, int] = {}  # the most blocks one of its plans loaded, so far
         self._done_recving: set[str] = set()
         self._done_sync: set[str] = set()
         self._load_errors: set[int] = set()
@@ -267,10 +268,8 @@ class KVCRConnectorWorker:
             except Exception as exc:
                 self._load_failed(plan, exc)
                 continue
-            self._finished(plan)
-            self.stats.add("loaded_blocks", len(plan.block_ids))
-            self.stats.add("loaded_tokens", len(plan.block_ids) * self.block_tokens)
-            self.stats.load_seconds(time.perf_counter() - start)
+            self.stats.add("loaded_blocks", len(plan.block_ids))  # every group's
+            self._finished(plan, len(plan.block_ids), start)
 
     def _load_failed(self, plan: LoadPlan, exc: Exception) -> None:
         """The plan's blocks are load errors (vLLM recomputes them); the load is finished."""
@@ -282,14 +281,22 @@ class KVCRConnectorWorker:
         self._load_errors.update(plan.block_ids)
         self._finished(plan)
 
-    def _finished(self, plan: LoadPlan) -> None:
+    def _finished(self, plan: LoadPlan, loaded: int = 0, start: float | None = None) -> None:
         """Reported done where vLLM looks, once every group's plan of its request is: a
         synchronous load with the step's output (`report`), an asynchronous one through
-        `get_finished`."""
-        left = self._open_loads.pop(plan.req_id, 1) - 1
+        `get_finished`; counted then, once per request (its tokens: those of the group that
+        loaded the most blocks)."""
+        req = plan.req_id
+        if loaded:
+            self._loaded[req] = max(self._loaded.get(req, 0), loaded)
+        left = self._open_loads.pop(req, 1) - 1
         if left > 0:
-            self._open_loads[plan.req_id] = left
+            self._open_loads[req] = left
             return
+        blocks = self._loaded.pop(req, 0)
+        if blocks and start is not None:
+            self.stats.add("loaded_tokens", blocks * self.block_tokens)
+            self.stats.load_seconds(time.perf_counter() - start)
         (self._done_sync if plan.synchronous else self._done_recving).add(plan.req_id)
 
     def _verify(self, plan: LoadPlan, slots: tuple[int, ...], sums: tuple[int, ...]) -> None:

@@ -89,4 +89,11 @@ def _print_table(status: dict[str, Any]) -> None:
     for ns in status["namespaces"]:
         print(f"{ns['namespace'][:16]:16} {ns['block_bytes']:>9} {ns['capacity_slots']:>8} "
               f"{ns['ready_blocks']:>8} {ns['filling_blocks']:>7} {ns['free_slots']:>8} "
-              f"{ns['leased_slots']:>6} {ns['evictions']:>9} {ns['clients']:>7}")
+              f"{ns['leased_slots']:>6} {ns['evictions']:>9} {ns['clients']:>7}"
+              + (f"  {ns['model']} tp{ns['tp_rank']}/{ns['tp_size']}" if "model" in ns else ""))
+    for entry in status.get("unshared", ()):
+        fields = "; ".join(f"{name} {', '.join(str(v) for v in values)}"
+                           for name, values in entry["differs"].items())
+        print(f"NOTE model {entry['model']}: {len(entry['namespaces'])} namespaces never share "
+              f"blocks (they differ in {fields}): engines of different TP sizes, block sizes, "
+              "dtypes or engine builds recompute each other's prompts (docs/compatibility.md)")
