@@ -15,7 +15,7 @@ from kvcr_core.keys import NamespaceSpec, block_keys
 from kvcr_core.runner import Runner
 from kvcr_core.testing import LoopbackPeers, ManualClock, ObservedRunner, in_process, pattern_block
 from kvcr_vllm.scheduler import KVCRConnectorScheduler
-from kvcr_vllm.settings import ConnectorSettings, KVGroup, namespaces_for
+from kvcr_vllm.settings import ConnectorSettings, KVGroup, rank_namespaces
 from kvcr_vllm.stats import StatsRecorder
 
 BLOCK_TOKENS = 4
@@ -78,8 +78,9 @@ def output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assi
 
 class Node:
     """A scheduler over `tp` ranks of one in-process Runner, optionally with peers;
-    `attention`: a hybrid model's KV cache groups (one namespace per rank and group, as
-    the connector makes them; `stores` and `keys` then index namespaces, not ranks)."""
+    `attention`: a hybrid model's KV cache groups (one namespace per rank and group, one
+    for all ranks of an "mla" group, as the connector makes them; `stores` and `keys` then
+    index namespaces, not ranks)."""
 
     def __init__(self, tp: int = 1, *, sources: dict[str, Runner | None] | None = None,
                  answer_after_polls: int = 1, extra: dict[str, Any] | None = None,
@@ -88,7 +89,8 @@ class Node:
         self.runner = Runner(KVCRConfig(pool_bytes=256 * BLOCK, namespace_pool_bytes=64 * BLOCK),
                              registry=CollectorRegistry())
         groups = [KVGroup(("layer",), kind, BLOCK) for kind in attention]
-        self.specs = [s for r in range(tp) for s in namespaces_for(spec(r, tp), groups)]
+        self.namespaces = rank_namespaces([spec(r, tp) for r in range(tp)], groups)
+        self.specs = list(self.namespaces.specs)
         self.peers = LoopbackPeers(sources, answer_after_polls=answer_after_polls)
         self.ops = ObservedRunner(in_process(self.runner, self.specs, BLOCK, peers=self.peers))
         self.stores = self.ops.ops.stores  # per rank
@@ -102,7 +104,7 @@ class Node:
                                                 runner=self.ops, clock=self.clock,
                                                 sleep=self.clock.advance,
                                                 synchronous_loads=synchronous_loads,
-                                                groups=len(groups))
+                                                namespaces=self.namespaces)
 
     def keys(self, tokens: list[int], rank: int = 0) -> list[bytes]:
         return list(block_keys(self.specs[rank].digest(), tokens, BLOCK_TOKENS))

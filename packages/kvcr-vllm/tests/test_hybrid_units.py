@@ -135,3 +135,32 @@ def test_kv_cache_groups_kvcr_cannot_serve_are_refused_with_the_model_type() -> 
         kv_groups(SimpleNamespace(kv_cache_groups=[group(full, "a", "b"), group(window, "c")]),
                   "gemma3")
     assert BLOCK  # (the rig's slot size: the groups above are vLLM's own specs)
+
+
+def test_an_mla_model_keeps_one_namespace_for_every_tp_rank() -> None:
+    """Risk: latent-attention KV (the same on every TP rank) stored once per rank: TP times
+    the pool room and the save bytes for nothing; or one namespace shared by a TP 1 engine
+    with no marker (a full-attention model's keys of its TP 1 layout)."""
+    node = Node(tp=2, attention=("mla",))
+    (shared,) = node.specs
+    assert shared.tp_rank == 0 and shared.tp_size == 2 and shared.extra == {"tp_ranks": "shared"}
+    assert node.namespaces.of_group(0) == [0, 0]
+    assert node.namespaces.writes(0, 0) and not node.namespaces.writes(1, 0)
+    assert Node(tp=1, attention=("mla",)).specs[0].extra == {}
+    assert len(Node(tp=2, attention=("full",)).specs) == 2  # other KV differs per rank
+    node.stock(TOKENS[:16])
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (16, True)
+    sched.update_state_after_alloc(request, Blocks([5, 6, 7, 8, 9]), 16)
+    (plan,) = sched.build_connector_meta(output()).loads
+    slots = tuple(slots_of(node, 0, TOKENS[:16]))
+    assert plan.slots_by_rank == (slots, slots)  # every rank reads the one copy
+    assert node.stores[0].index.open_leases == 1
+    saving = FakeRequest("r2", TOKENS[:8] + [7] * 25)
+    sched.on_new_request(saving)
+    sched.get_num_new_matched_tokens(saving, 0)
+    (save,) = sched.build_connector_meta(output(new=[("r2", [1, 2], 0, 8)])).saves
+    keys = tuple(node.keys(saving.all_token_ids[:8], 0))
+    assert save.keys_by_rank[0] == save.keys_by_rank[1] == keys

@@ -133,3 +133,59 @@ def test_a_request_is_reported_loaded_only_once_every_group_plan_is(guard) -> No
     assert b.get_finished(set()) == (None, {"r"})
     assert b.get_block_ids_with_load_errors() == {NUM_BLOCKS + 2}
     b.shutdown()
+
+
+def test_an_mla_group_is_written_by_rank_0_once_and_read_by_every_rank(guard) -> None:
+    """Risk: each TP rank saving the same latent KV (TP times the bytes and pool room), or a
+    rank other than 0 reading nothing or another rank's slots."""
+    from kvcr_vllm.settings import rank_namespaces
+
+    base = [NamespaceSpec(model_id="mla", dtype="float32", kv_dtype="float32",
+                          block_size_tokens=BLOCK, num_layers=2, num_kv_heads=1, head_dim=64,
+                          layout="test/cpu", tp_size=2, tp_rank=r) for r in (0, 1)]
+    spaces = rank_namespaces(base, [KVGroup(LAYERS[0], "mla", 2 * PAGE)])
+    settings = ConnectorSettings.from_extra_config({"mode": "guarded", "socket": guard.socket},
+                                                   "e")
+
+    def rank(r: int, caches: dict[str, torch.Tensor]) -> KVCRConnectorWorker:
+        worker = KVCRConnectorWorker(settings, spaces.of_rank(r), r, 2 * PAGE, NUM_BLOCKS,
+                                     StatsRecorder(), "engine", groups=[LAYERS[0]],
+                                     writes=[spaces.writes(r, 0)])
+        worker.register_kv_caches({name: caches[name] for name in LAYERS[0]})
+        return worker
+
+    keys = tuple(sequence_keys(spaces.specs[0], list(range(3 * BLOCK))))
+    source = kv_caches(5)
+    writers = [rank(0, source), rank(1, kv_caches(6))]  # (other bytes: a write by rank 1
+    saves = KVCRConnectorMetadata(saves=[SavePlan("w", (2, 3, 4), (keys, keys))])  # shows)
+    for worker in reversed(writers):  # rank 1 first: had it written, its bytes would stay
+        worker.bind(saves)
+        worker.wait_for_save(saves)
+        assert worker.sealer.flush(10)
+    reports = [worker.report() for worker in writers]
+    assert reports[0] is not None and reports[0].saved_keys == set(keys)
+    assert reports[1] is None  # rank 1 reserved and wrote nothing
+    for worker in writers:
+        worker.shutdown()
+    reader = AttachClient(guard.socket, spaces.specs, 2 * PAGE)
+    assert reader.stats().ready_blocks == 3  # one copy, not one per rank
+    reader.close()
+    slots = slots_of_shared(guard.socket, spaces.specs, list(keys))
+    for r in (0, 1):
+        caches = kv_caches(7 + r)
+        loader = rank(r, caches)
+        loader.start_load_kv(KVCRConnectorMetadata(loads=[LoadPlan(
+            "r", (9, 10, 11), (slots, slots), synchronous=True)]))
+        assert loader.report() is not None
+        for name in LAYERS[0]:
+            assert torch.equal(caches[name][9:12], source[name][2:5])
+        loader.shutdown()
+
+
+def slots_of_shared(socket: str, specs: tuple[NamespaceSpec, ...],
+                    keys: list[bytes]) -> tuple[int, ...]:
+    reader = AttachClient(socket, list(specs), 2 * PAGE)
+    lease = reader.acquire(keys)
+    reader.release(lease.op)
+    reader.close()
+    return tuple(int(s) for s in lease.slots if s is not None)

@@ -29,7 +29,7 @@ from kvcr_vllm import SUPPORTED_VLLM_TEXT, supports_vllm
 from kvcr_vllm.metadata import KVCRConnectorMetadata
 from kvcr_vllm.plugin import follow_vllm_logging
 from kvcr_vllm.router_tier import guard_endpoint_problem
-from kvcr_vllm.settings import ConnectorSettings, kv_groups, namespace_for, namespaces_for
+from kvcr_vllm.settings import ConnectorSettings, engine_namespaces, kv_groups
 from kvcr_vllm.stats import KVCRConnectorStats, KVCRPromMetrics, StatsRecorder
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class KVCRConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = kv_groups(kv_cache_config,
                                 str(getattr(vllm_config.model_config.hf_config, "model_type", "")))
         block_bytes = self.groups[0].block_bytes
+        self.namespaces = engine_namespaces(vllm_config, self.groups)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler: KVCRConnectorScheduler | None = None
         self._worker = None
@@ -115,9 +116,10 @@ class KVCRConnector(KVConnectorBase_V1, SupportsHMA):
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
             self._worker = KVCRConnectorWorker(
-                self.settings, namespaces_for(namespace_for(vllm_config, rank), self.groups),
-                rank, block_bytes, kv_cache_config.num_blocks, self.stats, engine_id,
-                groups=[group.layer_names for group in self.groups])
+                self.settings, self.namespaces.of_rank(rank), rank, block_bytes,
+                kv_cache_config.num_blocks, self.stats, engine_id,
+                groups=[group.layer_names for group in self.groups],
+                writes=[self.namespaces.writes(rank, g) for g in range(len(self.groups))])
 
     def _start_scheduler(self, vllm_config: VllmConfig, block_bytes: int, engine_id: str,
                          dp_rank: int) -> KVCRConnectorScheduler:
@@ -130,9 +132,7 @@ class KVCRConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("kvcr: kv_load_failure_policy=recompute (a cache fault must never "
                      "fail a request)")
             transfer.kv_load_failure_policy = "recompute"
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        specs = [spec for rank in range(tp_size)  # rank-major: rank r, group g at r * G + g
-                 for spec in namespaces_for(namespace_for(vllm_config, rank), self.groups)]
+        specs = list(self.namespaces.specs)
         identity = self.settings.identity or f"vllm-scheduler-{engine_id[:12]}"
         runner: RunnerOps | None = None
         if self.settings.mode is Mode.EMBEDDED:
@@ -149,7 +149,7 @@ class KVCRConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings, specs, block_bytes, self.stats, engine_id, runner=runner,
             peer_endpoint=self._embedded.peer_endpoint if self._embedded else None,
             publish_events=bool(events is not None and events.enable_kv_cache_events),
-            groups=len(self.groups),
+            namespaces=self.namespaces,
             synchronous_loads=vllm_config.device_config.device_type == "cpu")
         if isinstance(scheduler.runner, AttachClient):
             attach_at_start([scheduler.runner], self.settings.socket)

@@ -71,15 +71,16 @@ class _Step:
 class SavePipeline:
     def __init__(self, client: RunnerOps, binding: PoolBinding,
                  layers: list[dict[str, list[Plane]]], tp_rank: int, block_tokens: int,
-                 stats: StatsRecorder, sealer: Sealer) -> None:
+                 stats: StatsRecorder, sealer: Sealer, writes: list[bool] | None = None) -> None:
         """`layers`: per KV cache group (the client's namespace of the same index), its
-        layers' planes."""
+        layers' planes; `writes`: per group, whether this rank saves it (default: all)."""
         self.client = client
         self.sealer = sealer
         self.binding = binding
         self.engine = binding.engine
         self.layers = layers
         self.group_of = {name: g for g, group in enumerate(layers) for name in group}
+        self.writes = writes or [True] * len(layers)
         self.tp_rank = tp_rank
         self.block_tokens = block_tokens
         self.stats = stats
@@ -106,6 +107,8 @@ class SavePipeline:
             self.finish(step.metadata)
         saves = []
         for plan in metadata.saves:
+            if not self.writes[plan.group]:
+                continue  # another rank writes this group's shared namespace
             keys = cast("Sequence[BlockKey]", plan.keys_by_rank[self.tp_rank])
             try:
                 saves.append(_Save(plan, self.client.reserve_async(keys, plan.group),

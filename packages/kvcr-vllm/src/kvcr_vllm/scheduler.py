@@ -5,7 +5,8 @@ plain-data plans (kvcr_vllm.metadata). It never touches KV bytes.
 
 - Keys: kvcr block keys of the request's tokens (docs/keys.md), one chain per namespace (one
   per TP rank and KV cache group: a hybrid model's sliding-window and full-attention groups
-  have their own blocks, so their own namespaces, rank-major), rooted in the request's
+  have their own blocks, so their own namespaces; an MLA group's latent KV, the same on
+  every rank, one namespace for all: kvcr_vllm.settings.EngineNamespaces), rooted in the
   context (kvcr_vllm.request_context: its cache salt and LoRA adapter's content), so
   requests of another salt or adapter never share KV. Requests whose KV depends on what kvcr
   cannot name (prompt embeddings, an adapter not yet hashed or not a local directory) bypass
@@ -62,7 +63,7 @@ from kvcr_vllm.metadata import KVCRConnectorMetadata, LoadPlan, SavePlan, Worker
 from kvcr_vllm.pool_events import PoolEvents
 from kvcr_vllm.request_context import LoraDigests, mm_block_extras, request_context
 from kvcr_vllm.request_hints import raw_hint
-from kvcr_vllm.settings import ConnectorSettings
+from kvcr_vllm.settings import ConnectorSettings, EngineNamespaces
 from kvcr_vllm.stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ class KVCRConnectorScheduler:
     def __init__(self, settings: ConnectorSettings, specs: list[NamespaceSpec],
                  block_bytes: int, stats: StatsRecorder, engine_id: str, *,
                  peer_endpoint: str | None = None, runner: RunnerOps | None = None,
-                 publish_events: bool = False, synchronous_loads: bool = False, groups: int = 1,
+                 publish_events: bool = False, synchronous_loads: bool = False,
+                 namespaces: EngineNamespaces | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         """`runner`: the Runner's operations for every rank's namespace, in rank order (the
@@ -95,11 +97,11 @@ class KVCRConnectorScheduler:
         `peer_endpoint` is reported in each finished request's params; `publish_events`:
         announce kvcr's blocks in vLLM's KV events (kvcr_vllm.pool_events);
         `synchronous_loads`: load in the step that runs the request (host KV caches);
-        `groups`: vLLM's KV cache groups (`specs` holds rank r's group g at r * groups + g)."""
+        `namespaces`: which of `specs` holds each rank's blocks of each KV cache group
+        (default: one group, rank r's in specs[r])."""
         self.settings = settings
         self.specs = specs
-        self.groups = groups
-        self.ranks = len(specs) // groups
+        self.namespaces = namespaces or EngineNamespaces.of([[spec] for spec in specs])
         self.block_size = specs[0].block_size_tokens
         self.block_bytes = block_bytes
         self.stats = stats
@@ -231,7 +233,7 @@ class KVCRConnectorScheduler:
         state.planned_blocks = max(state.planned_blocks, first + granted)  # already in kvcr
         self.stats.add("lookup_hit_tokens", num_external_tokens)
         for g, group_ids in enumerate(ids):
-            ns = range(g, len(self.specs), self.groups)  # this group's namespace of each rank
+            ns = self.namespaces.of_group(g)  # this group's namespace of each rank
             copy = [i for i in range(min(granted, len(group_ids))) if group_ids[i] != NULL_BLOCK]
             self._pending_loads.append(LoadPlan(
                 request.request_id, tuple(group_ids[i] for i in copy),
@@ -283,7 +285,7 @@ class KVCRConnectorScheduler:
                 meta.saves.append(SavePlan(
                     state.request.request_id, tuple(group_ids[i] for i in saved),
                     tuple(tuple(keys[n][i] for i in saved)
-                          for n in range(g, len(self.specs), self.groups)), group=g))
+                          for n in self.namespaces.of_group(g)), group=g))
         state.planned_blocks = full
         if self.events is not None and announced(state):
             self.events.planned(state.request, first, full, keys)

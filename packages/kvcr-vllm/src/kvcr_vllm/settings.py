@@ -187,3 +187,71 @@ def namespaces_for(base: NamespaceSpec, groups: list[KVGroup]) -> list[Namespace
                                        "attention": group.attention})
             for g, group in enumerate(groups)]
 
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineNamespaces:
+    """Every namespace of an engine, in the Runner's order (`specs`), and which one holds
+    each TP rank's blocks of each KV cache group (`index[rank][group]`). One per rank and
+    group, except for latent-attention (MLA) groups: their KV is the same on every TP rank,
+    so all ranks share one namespace (`tp_rank` 0, marked `tp_ranks: shared`) that rank 0
+    writes and every rank reads."""
+
+    specs: tuple[NamespaceSpec, ...]
+    index: tuple[tuple[int, ...], ...]
+    shared: tuple[bool, ...]  # per group: one namespace for every rank
+
+    @classmethod
+    def of(cls, rank_specs: list[list[NamespaceSpec]],
+           shared: tuple[bool, ...] | None = None) -> EngineNamespaces:
+        """From each rank's namespace of each group (`shared` groups: rank 0's for all)."""
+        groups = len(rank_specs[0])
+        shared = shared or (False,) * groups
+        specs: list[NamespaceSpec] = []
+        index: list[tuple[int, ...]] = []
+        for rank, per_group in enumerate(rank_specs):
+            row = []
+            for g, spec in enumerate(per_group):
+                if shared[g] and rank > 0:
+                    row.append(index[0][g])
+                    continue
+                row.append(len(specs))
+                specs.append(spec)
+            index.append(tuple(row))
+        return cls(tuple(specs), tuple(index), tuple(shared))
+
+    @property
+    def groups(self) -> int:
+        return len(self.shared)
+
+    def of_group(self, group: int) -> list[int]:
+        """The namespace of each rank's blocks of `group` (repeated when shared)."""
+        return [row[group] for row in self.index]
+
+    def of_rank(self, rank: int) -> list[NamespaceSpec]:
+        """Rank `rank`'s namespace of each group (what its worker attaches)."""
+        return [self.specs[n] for n in self.index[rank]]
+
+    def writes(self, rank: int, group: int) -> bool:
+        """Whether `rank` saves its blocks of `group` (a shared group's: rank 0 only)."""
+        return rank == 0 or not self.shared[group]
+
+
+def engine_namespaces(vllm_config: VllmConfig, groups: list[KVGroup]) -> EngineNamespaces:
+    """The engine's namespaces (`rank_namespaces` of each TP rank's `namespace_for`)."""
+    parallel = vllm_config.parallel_config
+    bases = [namespace_for(vllm_config, rank) for rank in range(parallel.tensor_parallel_size)]
+    return rank_namespaces(bases, groups,
+                           int(getattr(parallel, "decode_context_parallel_size", 1) or 1))
+
+
+def rank_namespaces(bases: list[NamespaceSpec], groups: list[KVGroup],
+                    dcp_size: int = 1) -> EngineNamespaces:
+    """Each TP rank's namespace (`bases`) per group (`namespaces_for`); an MLA group's latent
+    KV, identical on every TP rank unless decode context parallelism shards it, in one
+    namespace for all ranks."""
+    shared = tuple(len(bases) > 1 and dcp_size == 1 and g.attention == "mla" for g in groups)
+    ranks = [[dataclasses.replace(spec, tp_rank=0, extra={**spec.extra, "tp_ranks": "shared"})
+              if shared[g] else spec
+              for g, spec in enumerate(namespaces_for(base, groups))] for base in bases]
+    return EngineNamespaces.of(ranks, shared)

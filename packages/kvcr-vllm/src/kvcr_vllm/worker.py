@@ -60,15 +60,18 @@ class KVCRConnectorWorker:
     def __init__(self, settings: ConnectorSettings, specs: NamespaceSpec | list[NamespaceSpec],
                  tp_rank: int, block_bytes: int, num_blocks: int, stats: StatsRecorder,
                  engine_id: str, *, groups: list[tuple[str, ...]] | None = None,
+                 writes: list[bool] | None = None,
                  copy_engine: CopyEngine | None = None) -> None:
         """`specs`: this rank's namespace of each KV cache group; `groups`: each group's layer
-        names (None: one group, every layer); `copy_engine`: None picks one from the KV
-        tensors' device at registration."""
+        names (None: one group, every layer); `writes`: per group, whether this rank saves it
+        (not an MLA group's on ranks other than 0: rank 0 writes the namespace every rank
+        reads); `copy_engine`: None picks one from the KV tensors' device at registration."""
         specs = [specs] if isinstance(specs, NamespaceSpec) else list(specs)
         self.settings = settings
         self.tp_rank = tp_rank
         self.block_bytes = block_bytes
         self.groups = groups
+        self.writes = writes or [True] * len(specs)
         self.block_tokens = specs[0].block_size_tokens
         self.num_blocks = num_blocks
         self.stats = stats
@@ -135,7 +138,7 @@ class KVCRConnectorWorker:
         self._binding = PoolBinding(engine, self.client,
                                     on_pin_failed=lambda: self.stats.failure("pin_failed"))
         self._saves = SavePipeline(self.client, self._binding, layers, self.tp_rank,
-                                   self.block_tokens, self.stats, self.sealer)
+                                   self.block_tokens, self.stats, self.sealer, self.writes)
         if engine.asynchronous and self.settings.mode is Mode.GUARDED:  # pin now, not in the
             with contextlib.suppress(RunnerError), self._binding.use():  # first step's copies
                 pass  # (an embedded Runner is not up yet: the first copy pins)
