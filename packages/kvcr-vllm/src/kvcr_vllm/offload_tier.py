@@ -1,0 +1,255 @@
+"""`KVCRPoolTier`: kvcr's pool as a secondary tier of vLLM's own OffloadingConnector.
+
+vLLM's tiering framework (`vllm/v1/kv_offload/tiering`) keeps a CPU primary tier that vLLM
+fills from the GPU with its own copies; secondary tiers see only that host memory. This tier
+cascades every chunk the primary tier stores into kvcr slots (embedded Runner, or kvcr-guard
+shared by the node's engines and surviving their crashes) and promotes chunks kvcr holds back
+into the primary tier, so a GPU user keeps vLLM's native offload path and adds kvcr:
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 8589934592, "secondary_tiers": [
+        {"type": "KVCRPoolTier", "module_path": "kvcr_vllm.offload_tier",
+         "mode": "guarded", "socket": "/run/kvcr/guard.sock"}]}}'
+
+The tier's keys are the connector's engine keys (`mode`, `socket`, `pool_bytes`, ...,
+kvcr_core.attach.settings), validated the same way; unknown keys are errors.
+
+- Keys: a chunk is named by vLLM's offload key (its block hash and KV cache group); its kvcr
+  key is that key hashed under the namespace (engine, model, dtype, chunk size, parallel
+  layout), so engines that hash prompts alike (vLLM's default sha256 block hashes) share.
+- Slots: one kvcr slot per primary chunk (the primary view's row), copied whole.
+- Jobs: `submit_store` / `submit_load` only queue (the framework's rule: every method runs in
+  vLLM's scheduler process and must not block); one thread runs them: a store reserves,
+  copies the primary rows into the granted slots, hashes and commits them (chunks kvcr holds
+  already count as stored); a load leases, copies slots into the primary rows and releases.
+  Results come back through `get_finished_jobs`. The queue is bounded: a job that does not
+  fit fails at once (a store is then a future miss, a promotion a recompute).
+- Faults: a Runner that cannot be reached, refuses or fails a copy makes lookups misses and
+  jobs failures, counted; nothing raises into the scheduler.
+Threading: vLLM's scheduler thread calls the tier; `_run` is the tier's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvcr_core import SlotId
+from kvcr_core.attach import (
+    ENGINE_KEYS,
+    AttachClient,
+    EmbeddedRunner,
+    EngineSettings,
+    Mode,
+    RunnerError,
+    RunnerOps,
+    reject_unknown,
+)
+from kvcr_core.checksums import block_checksum
+from kvcr_core.keys import NamespaceSpec
+from kvcr_core.types import KEY_BYTES, BlockKey
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("kvcr_vllm")
+FIELD = "secondary_tiers[KVCRPoolTier]"
+MAX_QUEUED_JOBS = 256  # jobs waiting for the tier's thread; more fail at once
+FRAMEWORK_KEYS = frozenset({"locality"})  # passed through by vLLM's tier factory
+
+
+def tier_namespace(spec: OffloadingSpec, chunk_bytes: int) -> NamespaceSpec:
+    """The namespace of an engine's offloaded chunks: everything that makes two engines'
+    chunk bytes incompatible (model, dtype, tokens per chunk, parallel layout, layers)."""
+    import vllm
+
+    config = spec.config
+    parallel = config.parallel
+    layers = sum(len(group.layer_names) for group in config.groups)
+    tokens = config.groups[0].tokens_per_block * config.cache.blocks_per_chunk
+    return NamespaceSpec(
+        model_id=config.model.name, dtype=config.model.dtype, kv_dtype=config.model.dtype,
+        block_size_tokens=tokens, num_layers=layers, num_kv_heads=1,
+        head_dim=1, layout=f"vllm-{vllm.__version__}/offload-chunk",
+        tp_size=parallel.tp_size, tp_rank=0,
+        extra={"chunk_bytes": str(chunk_bytes), "world_size": str(parallel.world_size),
+               "pp_size": str(parallel.pp_size), "dcp_size": str(parallel.dcp_size),
+               "pcp_size": str(parallel.pcp_size),
+               "kv_cache_layout": str(config.kv_cache_layout or ""),
+               "canonical": str(bool(config.canonical_layout)).lower(),
+               "groups": ",".join(str(g.tokens_per_block) for g in config.groups)})
+
+
+class KVCRPoolTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
+                 tier_type: str, backpressure_detector: BackpressureDetector | None = None,
+                 **extra: Any) -> None:
+        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
+                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+        reject_unknown(extra, FIELD, ENGINE_KEYS, ignored=FRAMEWORK_KEYS)
+        engine_id = str(offloading_spec.config.engine_id)
+        self.settings = EngineSettings(**EngineSettings.fields_from(
+            extra, field=FIELD, default_socket=f"\0kvcr-embedded-tier-{engine_id[:36]}"))
+        self.primary = np.asarray(primary_kv_view).view(np.uint8)  # [chunks, chunk bytes]
+        self.chunk_bytes = int(self.primary.shape[1])
+        self.spec = tier_namespace(offloading_spec, self.chunk_bytes)
+        self._root = self.spec.digest()
+        identity = self.settings.identity or f"vllm-offload-tier-{engine_id[:12]}"
+        self._embedded: EmbeddedRunner | None = None
+        self.runner: RunnerOps
+        if self.settings.mode is Mode.EMBEDDED:
+            self._embedded = EmbeddedRunner(self.settings)
+            self.runner = self._embedded.service([self.spec], self.chunk_bytes,
+                                                 identity=identity)
+        else:
+            self.runner = AttachClient(self.settings.socket, self.spec, self.chunk_bytes,
+                                       identity=identity, timeout_s=self.settings.timeout_s,
+                                       map_pages=True,
+                                       runner_uids=self.settings.trusted_runner_uids)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._jobs: queue.Queue[TransferJob | None] = queue.Queue(MAX_QUEUED_JOBS)
+        self._done: collections.deque[JobResult] = collections.deque()
+        self._idle = threading.Condition()
+        self._busy = 0  # jobs queued or running
+        self._thread = threading.Thread(target=self._run, name="kvcr-offload-tier",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def kvcr_key(self, key: OffloadKey) -> BlockKey:
+        """The chunk's kvcr key: vLLM's offload key under this tier's namespace."""
+        return BlockKey(hashlib.blake2b(self._root + bytes(key), digest_size=KEY_BYTES).digest())
+
+    # -- the framework's calls (scheduler thread, never blocking on a copy) ------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        try:
+            return LookupResult.HIT if self.runner.lookup([self.kvcr_key(key)]) \
+                else LookupResult.MISS
+        except RunnerError:
+            self.counts["runner_unavailable"] += 1
+            return LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done = []
+        while self._done:
+            done.append(self._done.popleft())
+        return done
+
+    def has_pending_work(self) -> bool:
+        return self._busy > 0 or bool(self._done)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0)
+
+    def shutdown(self) -> None:
+        """Finishes queued jobs, then closes the Runner's connection (or the embedded Runner)."""
+        self.drain_jobs()
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        self.runner.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+
+    # -- jobs (the tier's thread) -------------------------------------------------------------
+
+    def _submit(self, job: TransferJob) -> None:
+        with self._idle:
+            self._busy += 1
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            self.counts["queue_full"] += 1
+            self._finish(JobResult(job.job_id, success=False))
+
+    def _finish(self, result: JobResult) -> None:
+        self._done.append(result)
+        with self._idle:
+            self._busy -= 1
+            self._idle.notify_all()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start = time.perf_counter()
+            try:
+                result = self._load(job) if job.is_promotion else self._store(job)
+            except Exception as exc:  # a kvcr fault fails the job, never the scheduler
+                self.counts["promotion_failed" if job.is_promotion else "store_failed"] += 1
+                if not isinstance(exc, RunnerError):
+                    log.error("kvcr offload tier: job %d failed (%s)", job.job_id, exc)
+                result = JobResult(job.job_id, success=False)
+            result.transfer_time = time.perf_counter() - start
+            self._finish(result)
+
+    def _store(self, job: TransferJob) -> JobResult:
+        keys = [self.kvcr_key(k) for k in job.keys]
+        reservation = self.runner.reserve(keys)
+        pool = self.runner.pool()
+        granted = [(slot, int(chunk)) for slot, chunk in zip(reservation.slots, job.chunk_ids,
+                                                              strict=True) if slot is not None]
+        sums = []
+        try:
+            for slot, chunk in granted:
+                view = pool.view(SlotId(slot))
+                np.frombuffer(view, np.uint8)[:self.chunk_bytes] = self.primary[chunk]
+                sums.append(block_checksum(view))
+        except BaseException:
+            self.runner.abort(reservation.op)  # nothing half-written is published
+            raise
+        if granted:
+            self.runner.commit(reservation.op, sums)
+        self.counts["stored_chunks"] += len(granted)
+        if reservation.refused:
+            self.counts["store_refused"] += reservation.refused
+        return JobResult(job.job_id, success=not reservation.refused,
+                         transfer_bytes=len(granted) * self.chunk_bytes)
+
+    def _load(self, job: TransferJob) -> JobResult:
+        offload_keys = list(job.keys)
+        lease = self.runner.acquire([self.kvcr_key(k) for k in offload_keys], prefix_only=False)
+        pool = self.runner.pool()
+        loaded = []
+        try:
+            for key, slot, chunk in zip(offload_keys, lease.slots, job.chunk_ids, strict=True):
+                if slot is None:
+                    continue
+                view = pool.view(SlotId(slot))
+                self.primary[int(chunk)] = np.frombuffer(view, np.uint8)[:self.chunk_bytes]
+                loaded.append(key)
+        finally:
+            self.runner.release(lease.op)
+        self.counts["promoted_chunks"] += len(loaded)
+        whole = len(loaded) == len(offload_keys)
+        return JobResult(job.job_id, success=whole,
+                         successful_keys=None if whole else loaded,
+                         transfer_bytes=len(loaded) * self.chunk_bytes)

@@ -1,0 +1,174 @@
+"""kvcr's pool as a secondary tier of vLLM's OffloadingConnector, driven through vLLM's real
+tiering classes on CPU (`TieringOffloadingSpec` builds the real `TieringOffloadingManager`
+with its shared-memory CPU primary tier and this tier; vLLM's offloading worker needs a GPU
+and is not run): chunks the primary stores cascade into kvcr byte-exactly, a chunk the
+primary lost is promoted back byte-exactly, a second engine's manager on the same kvcr-guard
+finds the first one's chunks, and kvcr faults are misses and failed jobs, never errors.
+(Integration: real Runner, real kvcr-guard, no engine.)"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvcr_core.errors import ConfigError
+from kvcr_vllm.offload_tier import KVCRPoolTier
+
+pytestmark = pytest.mark.integration
+
+CHUNK = 64 * 1024
+CHUNKS = 8
+
+
+def offloading(engine_id: str, tier: dict[str, Any]) -> Any:
+    """vLLM's real tiering manager with kvcr's tier, as the OffloadingConnector builds it."""
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": CHUNKS * CHUNK, "secondary_tiers": [
+            {"type": "KVCRPoolTier", "module_path": "kvcr_vllm.offload_tier", **tier}]},
+        engine_id=f"{engine_id}-{os.getpid()}",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False))
+    return TieringOffloadingSpec(config).get_manager()
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    return [make_offload_key(bytes([salt, i]) * 16, 0) for i in range(n)]
+
+
+def settle(manager: Any) -> None:
+    """Scheduler steps until the tier's jobs are done and processed."""
+    tier = manager.secondary_tiers[0]
+    deadline = time.monotonic() + 10
+    manager.on_schedule_end(ScheduleEndContext((), ()))  # (submits deferred promotions)
+    while tier.has_pending_work() or manager._jobs:
+        assert time.monotonic() < deadline, "the tier's jobs never finished"
+        time.sleep(0.001)
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+
+
+def store(manager: Any, chunk_keys: list[bytes], seed: int) -> list[np.ndarray]:
+    """What vLLM does after a GPU -> primary copy: prepare, write the rows, complete."""
+    primary = np.asarray(manager.secondary_tiers[0]._primary_kv_view).view(np.uint8)
+    ctx = ReqContext(req_id=f"store-{seed}")
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(chunk_keys, ctx)
+    rng = np.random.default_rng(seed)
+    data = []
+    for chunk in out.store_spec.chunk_ids:
+        row = rng.integers(0, 256, CHUNK, dtype=np.uint8)
+        primary[int(chunk)] = row
+        data.append(row)
+    manager.complete_store(chunk_keys, ctx)
+    manager.on_request_finished(ctx)
+    settle(manager)
+    return data
+
+
+def promote(manager: Any, chunk_keys: list[bytes]) -> list[np.ndarray]:
+    """A lookup that misses the primary: promotion from kvcr, then a primary hit; the rows
+    vLLM would copy to the GPU."""
+    ctx = ReqContext(req_id=f"load-{time.monotonic_ns()}")
+    manager.on_new_request(ctx)
+    first = [manager.lookup(k, ctx) for k in chunk_keys]
+    assert first == [LookupResult.HIT_PENDING] * len(chunk_keys)
+    settle(manager)
+    assert [manager.lookup(k, ctx) for k in chunk_keys] == [LookupResult.HIT] * len(chunk_keys)
+    spec = manager.prepare_load(chunk_keys, ctx)
+    primary = np.asarray(manager.secondary_tiers[0]._primary_kv_view).view(np.uint8)
+    rows = [primary[int(c)].copy() for c in spec.chunk_ids]
+    manager.complete_load(chunk_keys, ctx)
+    manager.on_request_finished(ctx)
+    return rows
+
+
+def test_chunks_cascade_into_kvcr_and_come_back_byte_exact() -> None:
+    """Risk: a chunk the primary tier evicted is served from kvcr with other bytes (another
+    chunk's, a torn copy), or never reaches kvcr at all."""
+    manager = offloading("cascade", {"pool_bytes": 64 * CHUNK})
+    tier = manager.secondary_tiers[0]
+    try:
+        chunk_keys = keys(3)
+        data = store(manager, chunk_keys, seed=1)
+        assert tier.counts["stored_chunks"] == 3
+        manager.reset_cache()  # the primary tier forgets; kvcr's pool keeps them
+        assert [np.array_equal(a, b) for a, b in zip(promote(manager, chunk_keys), data,
+                                                     strict=True)] == [True] * 3
+        assert tier.counts["promoted_chunks"] == 3
+        ctx = ReqContext(req_id="unknown")
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1, salt=9)[0], ctx) == LookupResult.MISS
+    finally:
+        manager.shutdown()
+
+
+def test_a_second_engine_on_the_same_guard_finds_the_first_ones_chunks(guard) -> None:
+    """Risk: the tier's keys depend on the engine (its id, its process): engines on a node
+    never share, and an engine restarted after a crash starts cold."""
+    tier = {"mode": "guarded", "socket": guard.socket}
+    first = offloading("engine-a", tier)
+    try:
+        data = store(first, keys(4, salt=3), seed=2)
+    finally:
+        first.shutdown()  # (an engine that exited: kvcr-guard keeps the pool)
+    second = offloading("engine-b", tier)
+    try:
+        rows = promote(second, keys(4, salt=3))
+        assert all(np.array_equal(a, b) for a, b in zip(rows, data, strict=True))
+    finally:
+        second.shutdown()
+
+
+def test_runner_faults_are_misses_and_failed_jobs_never_errors(short_tmp, harness) -> None:
+    """Risk: kvcr-guard gone (crashed, restarting) raises into vLLM's scheduler and takes the
+    engine down, or a job never reports and a request waits for ever."""
+    guard = harness.Guard(short_tmp, "--pool-bytes", "64MiB", "--namespace-pool-bytes",
+                          "32MiB").start()
+    manager = offloading("faults", {"mode": "guarded", "socket": guard.socket,
+                                    "timeout_s": 1})
+    tier = manager.secondary_tiers[0]
+    try:
+        store(manager, keys(2, salt=5), seed=3)
+        guard.stop()
+        store(manager, keys(2, salt=6), seed=4)  # the cascade fails: reported, not raised
+        assert tier.counts["store_failed"] >= 1
+        manager.reset_cache()
+        ctx = ReqContext(req_id="after")
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(2, salt=5)[0], ctx) == LookupResult.MISS
+        assert tier.counts["runner_unavailable"] >= 1
+    finally:
+        manager.shutdown()
+        guard.log.close()
+
+
+def test_the_tier_takes_the_connectors_keys_and_refuses_others() -> None:
+    """Risk: a typo in the tier's config silently runs a default (an embedded pool nobody
+    shares) where the operator asked for kvcr-guard."""
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[KVCRPoolTier\].*sockett"):
+        offloading("typo", {"mode": "guarded", "sockett": "/run/kvcr/guard.sock"})
+    with pytest.raises(ConfigError, match=r"\.mode"):
+        offloading("mode", {"mode": "guraded"})
+    assert KVCRPoolTier.medium is not None
