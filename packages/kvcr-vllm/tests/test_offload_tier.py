@@ -172,3 +172,35 @@ def test_the_tier_takes_the_connectors_keys_and_refuses_others() -> None:
     with pytest.raises(ConfigError, match=r"\.mode"):
         offloading("mode", {"mode": "guraded"})
     assert KVCRPoolTier.medium is not None
+
+
+def test_the_documented_configuration_parses_through_vllm_and_loads_the_tier() -> None:
+    """Risk: the guide's --kv-transfer-config for the tier is rejected by vLLM, or names a
+    class vLLM's tier factory cannot load."""
+    import shlex
+    from pathlib import Path
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    page = (Path(__file__).resolve().parents[3] / "docs" / "vllm.md").read_text()
+    command = next(block for block in (part.split("```")[0]
+                                       for part in page.split("```sh\n")[1:])
+                   if "KVCRPoolTier" in block)
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role) == ("OffloadingConnector", "kv_both")
+    (tier,) = kv.kv_connector_extra_config["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(tier) is KVCRPoolTier
+    # its keys pass the tier's validation; no kvcr-guard there: lookups are misses
+    manager = offloading("documented", {**tier, "socket": f"/tmp/kvcr-none-{os.getpid()}.sock"})
+    try:
+        ctx = ReqContext(req_id="r")
+        manager.on_new_request(ctx)
+        assert manager.lookup(keys(1)[0], ctx) == LookupResult.MISS
+        assert manager.secondary_tiers[0].counts["runner_unavailable"] == 1
+    finally:
+        manager.shutdown()
