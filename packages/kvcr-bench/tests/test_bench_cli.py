@@ -39,6 +39,24 @@ def test_bench_pool_quick_json_reports_the_summary() -> None:
 
 
 @pytest.mark.slow
+def test_bench_tier_quick_json_reports_both_modes() -> None:
+    """`kvcr bench tier --quick --json` drives vLLM's real tiering manager with kvcr's tier,
+    embedded and through kvcr-guard: every chunk stored, promoted and found (the bench
+    checks), every rate and target verdict reported."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    out = kvcr("bench", "tier", "--quick", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert set(result["rows"]) == {"embedded", "guarded"}
+    for row in result["rows"].values():
+        for name in ("memcpy_gbps", "store_gbps", "promote_gbps", "lookup_us_per_block"):
+            assert row[name] > 0
+    assert all(isinstance(v, bool) for v in result["meets_targets"].values())
+    assert set(result["meets_targets"]) == {"lookup_us_per_block", "store_ratio_vs_memcpy",
+                                            "promote_ratio_vs_memcpy"}
+
+
+@pytest.mark.slow
 def test_bench_peer_quick_json_reports_both_transports() -> None:
     """`kvcr bench peer --quick --json` runs end to end: every TCP row and summary figure, and
     the NIXL ones exactly when nixl is installed (null otherwise)."""

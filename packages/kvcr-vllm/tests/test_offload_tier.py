@@ -17,16 +17,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
+from kvcr_bench.offload_tier import settle, tiering_manager
 from kvcr_core.errors import ConfigError
 from kvcr_vllm.offload_tier import KVCRPoolTier
 
@@ -38,35 +31,11 @@ CHUNKS = 8
 
 def offloading(engine_id: str, tier: dict[str, Any]) -> Any:
     """vLLM's real tiering manager with kvcr's tier, as the OffloadingConnector builds it."""
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": CHUNKS * CHUNK, "secondary_tiers": [
-            {"type": "KVCRPoolTier", "module_path": "kvcr_vllm.offload_tier", **tier}]},
-        engine_id=f"{engine_id}-{os.getpid()}",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False))
-    return TieringOffloadingSpec(config).get_manager()
+    return tiering_manager(engine_id, tier, chunk_bytes=CHUNK, chunks=CHUNKS)
 
 
 def keys(n: int, salt: int = 0) -> list[bytes]:
     return [make_offload_key(bytes([salt, i]) * 16, 0) for i in range(n)]
-
-
-def settle(manager: Any) -> None:
-    """Scheduler steps until the tier's jobs are done and processed."""
-    tier = manager.secondary_tiers[0]
-    deadline = time.monotonic() + 10
-    manager.on_schedule_end(ScheduleEndContext((), ()))  # (submits deferred promotions)
-    while tier.has_pending_work() or manager._jobs:
-        assert time.monotonic() < deadline, "the tier's jobs never finished"
-        time.sleep(0.001)
-        manager.on_schedule_end(ScheduleEndContext((), ()))
 
 
 def store(manager: Any, chunk_keys: list[bytes], seed: int) -> list[np.ndarray]:
@@ -202,5 +171,32 @@ def test_the_documented_configuration_parses_through_vllm_and_loads_the_tier() -
         manager.on_new_request(ctx)
         assert manager.lookup(keys(1)[0], ctx) == LookupResult.MISS
         assert manager.secondary_tiers[0].counts["runner_unavailable"] == 1
+    finally:
+        manager.shutdown()
+
+
+def test_chunks_kvcr_evicted_are_forgotten_and_a_stale_hit_recomputes() -> None:
+    """Risk: the tier keeps answering HIT for chunks kvcr evicted (every such request waits
+    for a promotion that fails), or a stale HIT serves anything but a recompute."""
+    from kvcr_vllm import offload_tier
+
+    manager = offloading("evict", {"pool_bytes": 6 * CHUNK})
+    tier = manager.secondary_tiers[0]
+    capacity = tier.runner.stats().capacity_slots
+    assert capacity <= CHUNKS  # (one store fits the primary tier)
+    try:
+        old = keys(2, salt=7)
+        store(manager, old, seed=5)
+        ctx = ReqContext(req_id="probe")
+        manager.on_new_request(ctx)
+        assert tier.lookup(old[0], ctx) == LookupResult.HIT
+        for salt in (8, 9):  # twice the pool's slots of new chunks: the old ones are evicted
+            store(manager, keys(capacity, salt=salt), seed=salt)
+        assert tier.runner.lookup([tier.kvcr_key(old[0])]) == 0
+        assert tier.lookup(old[0], ctx) == LookupResult.HIT  # not read the log yet: stale
+        time.sleep(offload_tier.FORGET_EVERY_S)
+        settle(manager)  # the end of a step reads the Runner's removal log
+        assert tier.lookup(old[0], ctx) == LookupResult.MISS
+        assert tier.lookup(old[1], ctx) == LookupResult.MISS
     finally:
         manager.shutdown()

@@ -20,10 +20,15 @@ kvcr_core.attach.settings), validated the same way; unknown keys are errors.
 - Slots: one kvcr slot per primary chunk (the primary view's row), copied whole.
 - Jobs: `submit_store` / `submit_load` only queue (the framework's rule: every method runs in
   vLLM's scheduler process and must not block); one thread runs them: a store reserves,
-  copies the primary rows into the granted slots, hashes and commits them (chunks kvcr holds
-  already count as stored); a load leases, copies slots into the primary rows and releases.
-  Results come back through `get_finished_jobs`. The queue is bounded: a job that does not
-  fit fails at once (a store is then a future miss, a promotion a recompute).
+  copies the primary rows into the granted slots, hashes and commits them, a batch of chunks
+  at a time (chunks kvcr holds already count as stored); a load leases, copies slots into
+  the primary rows and releases. Results come back through `get_finished_jobs`. The queue
+  is bounded: a job that does not fit fails at once (a store is then a future miss, a
+  promotion a recompute).
+- Lookups: a chunk this tier stored, promoted or found before is a HIT without asking the
+  Runner (a bounded set, forgotten as the Runner's inventory log reports removals, read at
+  most every `FORGET_EVERY_S` at the end of a scheduler step; a removal not yet read fails
+  the promotion, and the request recomputes); any other chunk costs one lookup round trip.
 - Faults: a Runner that cannot be reached, refuses or fails a copy makes lookups misses and
   jobs failures, counted; nothing raises into the scheduler.
 Threading: vLLM's scheduler thread calls the tier; `_run` is the tier's thread.
@@ -47,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -62,7 +68,7 @@ from kvcr_core.attach import (
     reject_unknown,
 )
 from kvcr_core.checksums import block_checksum
-from kvcr_core.keys import NamespaceSpec
+from kvcr_core.keys import NamespaceSpec, router_hash_kvcr_v1
 from kvcr_core.types import KEY_BYTES, BlockKey
 
 if TYPE_CHECKING:
@@ -72,6 +78,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcr_vllm")
 FIELD = "secondary_tiers[KVCRPoolTier]"
 MAX_QUEUED_JOBS = 256  # jobs waiting for the tier's thread; more fail at once
+STORE_BATCH = 16  # chunks reserved, copied and committed at a time
+MAX_KNOWN = 65_536  # chunks known READY (router hashes), the oldest forgotten first
+FORGET_EVERY_S = 0.05  # how often the Runner's removal log is read
 FRAMEWORK_KEYS = frozenset({"locality"})  # passed through by vLLM's tier factory
 
 
@@ -126,6 +135,10 @@ class KVCRPoolTier(SecondaryTierManager):
                                        map_pages=True,
                                        runner_uids=self.settings.trusted_runner_uids)
         self.counts: collections.Counter[str] = collections.Counter()
+        self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._known_lock = threading.Lock()  # the tier's thread remembers what it moved
+        self._cursor: tuple[int, int] | None = None  # the removal log's (epoch, batch)
+        self._next_forget = 0.0
         self._jobs: queue.Queue[TransferJob | None] = queue.Queue(MAX_QUEUED_JOBS)
         self._done: collections.deque[JobResult] = collections.deque()
         self._idle = threading.Condition()
@@ -143,12 +156,55 @@ class KVCRPoolTier(SecondaryTierManager):
     # -- the framework's calls (scheduler thread, never blocking on a copy) ------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        kvcr_key = self.kvcr_key(key)
+        known = router_hash_kvcr_v1(kvcr_key)
+        with self._known_lock:
+            if known in self._known:
+                self._known.move_to_end(known)
+                return LookupResult.HIT
         try:
-            return LookupResult.HIT if self.runner.lookup([self.kvcr_key(key)]) \
-                else LookupResult.MISS
+            found = self.runner.lookup([kvcr_key])
         except RunnerError:
             self.counts["runner_unavailable"] += 1
             return LookupResult.MISS
+        if not found:
+            return LookupResult.MISS
+        self._remember([kvcr_key])
+        return LookupResult.HIT
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Forgets the chunks the Runner reports removed (at most every FORGET_EVERY_S)."""
+        now = time.monotonic()
+        if now < self._next_forget:
+            return
+        self._next_forget = now + FORGET_EVERY_S
+        try:
+            if self._cursor is None:
+                start = self.runner.removed_since(-1)
+                self._cursor = (start.epoch, start.seq)
+                return
+            answer = self.runner.removed_since(self._cursor[1])
+        except RunnerError:
+            self.counts["runner_unavailable"] += 1
+            with self._known_lock:
+                self._known.clear()  # a Runner gone (restarting) may come back empty
+            self._cursor = None
+            return
+        with self._known_lock:
+            if answer.epoch != self._cursor[0] or answer.reset:
+                self._known.clear()  # restarted, or the log no longer reaches back
+            else:
+                for gone in answer.hashes[0]:
+                    self._known.pop(gone, None)
+        self._cursor = (answer.epoch, answer.seq)
+
+    def _remember(self, keys: Iterable[BlockKey]) -> None:
+        with self._known_lock:
+            for key in keys:
+                self._known[router_hash_kvcr_v1(key)] = None
+                self._known.move_to_end(router_hash_kvcr_v1(key))
+            while len(self._known) > MAX_KNOWN:
+                self._known.popitem(last=False)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata)
@@ -177,6 +233,7 @@ class KVCRPoolTier(SecondaryTierManager):
         self.drain_jobs()
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        self.primary = np.empty((0, self.chunk_bytes), np.uint8)  # vLLM unmaps the primary next
         self.runner.close()
         if self._embedded is not None:
             self._embedded.stop()
@@ -212,31 +269,46 @@ class KVCRPoolTier(SecondaryTierManager):
             self._finish(result)
 
     def _store(self, job: TransferJob) -> JobResult:
+        """Reserves, copies, hashes and commits `STORE_BATCH` chunks at a time (a client's
+        slots in FILLING are bounded: a whole job at once could be refused in part)."""
         keys = [self.kvcr_key(k) for k in job.keys]
-        reservation = self.runner.reserve(keys)
+        chunks = [int(c) for c in job.chunk_ids]
+        stored = refused = 0
         pool = self.runner.pool()
-        granted = [(slot, int(chunk)) for slot, chunk in zip(reservation.slots, job.chunk_ids,
-                                                              strict=True) if slot is not None]
-        sums = []
-        try:
-            for slot, chunk in granted:
-                view = pool.view(SlotId(slot))
-                np.frombuffer(view, np.uint8)[:self.chunk_bytes] = self.primary[chunk]
-                sums.append(block_checksum(view))
-        except BaseException:
-            self.runner.abort(reservation.op)  # nothing half-written is published
-            raise
-        if granted:
-            self.runner.commit(reservation.op, sums)
-        self.counts["stored_chunks"] += len(granted)
-        if reservation.refused:
-            self.counts["store_refused"] += reservation.refused
-        return JobResult(job.job_id, success=not reservation.refused,
-                         transfer_bytes=len(granted) * self.chunk_bytes)
+        for start in range(0, len(keys), STORE_BATCH):
+            reservation = self.runner.reserve(keys[start:start + STORE_BATCH])
+            granted = [(slot, chunk) for slot, chunk in
+                       zip(reservation.slots, chunks[start:start + STORE_BATCH], strict=True)
+                       if slot is not None]
+            sums = []
+            try:
+                for slot, chunk in granted:
+                    view = pool.view(SlotId(slot))
+                    np.frombuffer(view, np.uint8)[:self.chunk_bytes] = self.primary[chunk]
+                    sums.append(block_checksum(view))
+            except BaseException:
+                self.runner.abort(reservation.op)  # nothing half-written is published
+                raise
+            if granted:
+                self.runner.commit(reservation.op, sums)
+                self._remember(keys[start + i] for i, slot in enumerate(reservation.slots)
+                               if slot is not None)
+            stored += len(granted)
+            refused += reservation.refused
+        self.counts["stored_chunks"] += stored
+        if refused:
+            self.counts["store_refused"] += refused
+        return JobResult(job.job_id, success=not refused,
+                         transfer_bytes=stored * self.chunk_bytes)
 
     def _load(self, job: TransferJob) -> JobResult:
         offload_keys = list(job.keys)
         lease = self.runner.acquire([self.kvcr_key(k) for k in offload_keys], prefix_only=False)
+        if lease.granted < len(offload_keys):  # gone since a lookup said HIT: forget them
+            with self._known_lock:
+                for key, slot in zip(offload_keys, lease.slots, strict=True):
+                    if slot is None:
+                        self._known.pop(router_hash_kvcr_v1(self.kvcr_key(key)), None)
         pool = self.runner.pool()
         loaded = []
         try:

@@ -32,6 +32,25 @@ def _serve_options(parser: argparse.ArgumentParser) -> None:
                         "request runs)")
 
 
+def _bench_options(name: str, parser: argparse.ArgumentParser) -> None:
+    """`kvcr bench NAME`'s options: --quick and --json, and the benchmark's own."""
+    parser.add_argument("--quick", action="store_true", help="short run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    if name == "guard":
+        parser.add_argument("--under-attack", action="store_true",
+                            help="a legitimate engine's round trip while another client "
+                            "misbehaves, one way at a time")
+    if name == "serve":
+        _serve_options(parser)
+    if name == "vllm":
+        parser.add_argument("--modes", default=None, metavar="MODES",
+                            help="engine modes to time, comma-separated: inproc, mp "
+                            "(default both)")
+    if name == "copy":
+        parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                            help="where the KV tensors live (auto: cuda when available)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcr", description="kvcr KV Cache Runner tools")
     parser.add_argument("--version", action="version", version=f"kvcr {__version__}")
@@ -44,21 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
     for name in sorted({*BENCHMARKS, *installed}):
         where = installed[name].value if name in installed else "not installed"
         extra = bench_sub.add_parser(name, help=BENCHMARKS.get(name, f"benchmark ({where})"))
-        extra.add_argument("--quick", action="store_true", help="short run")
-        extra.add_argument("--json", action="store_true", help="print one JSON object")
-        if name == "guard":
-            extra.add_argument("--under-attack", action="store_true",
-                               help="a legitimate engine's round trip while another client "
-                               "misbehaves, one way at a time")
-        if name == "serve":
-            _serve_options(extra)
-        if name == "vllm":
-            extra.add_argument("--modes", default=None, metavar="MODES",
-                               help="engine modes to time, comma-separated: inproc, mp "
-                               "(default both)")
-        if name == "copy":
-            extra.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                               help="where the KV tensors live (auto: cuda when available)")
+        _bench_options(name, extra)
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config", required=True)
@@ -108,6 +113,7 @@ BENCHMARKS = {
     "pull": "cross-node reuse on real vLLM: pull on miss vs a hint vs a local hit",
     "dynamo": "multi-turn TTFT through NVIDIA Dynamo's KV router: vanilla vs kvcr workers",
     "copy": "pool <-> KV tensor copies (CPU or CUDA) vs one pinned copy of the same bytes",
+    "tier": "kvcr as a tier of vLLM's OffloadingConnector: lookups, store/promote vs memcpy",
 }
 
 
