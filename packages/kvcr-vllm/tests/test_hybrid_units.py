@@ -164,3 +164,24 @@ def test_an_mla_model_keeps_one_namespace_for_every_tp_rank() -> None:
     (save,) = sched.build_connector_meta(output(new=[("r2", [1, 2], 0, 8)])).saves
     keys = tuple(node.keys(saving.all_token_ids[:8], 0))
     assert save.keys_by_rank[0] == save.keys_by_rank[1] == keys
+
+
+def test_a_hybrid_hit_cut_short_before_its_load_is_recomputed_whole() -> None:
+    """Risk: a block evicted between lookup and lease shortens a hybrid model's hit, and the
+    sliding-window layers of the shorter prefix's end read blocks nobody loaded (vLLM
+    allocated the window at the planned end)."""
+    node = Node(attention=HYBRID)
+    node.stock(TOKENS[:24])
+    request = FakeRequest("r1", TOKENS)
+    sched = node.scheduler
+    sched.on_new_request(request)
+    assert sched.get_num_new_matched_tokens(request, 0) == (24, True)
+    store = node.stores[1]
+    with store.lock:  # the full group's block 4 evicted before the lease
+        store.index.discard([node.keys(TOKENS[:24], 1)[4]])
+    window = [0, 0, 0, 0, 24, 25, 26]
+    sched.update_state_after_alloc(request, Blocks(window, list(range(10, 17))), 24)
+    sliding, full = sched.build_connector_meta(output()).loads
+    assert sliding.block_ids == full.block_ids == ()
+    assert full.failed_block_ids == tuple(range(10, 16)) and sliding.failed_block_ids == (24, 25)
+    assert node.counters()["failures_evicted_before_load"] == 6

@@ -226,6 +226,9 @@ class KVCRConnectorScheduler:
             self.stats.failure("guard_unavailable")
             ops, slots, sums = [], [(None,) * count for _ in self.specs], []
         granted = min(next((i for i, s in enumerate(r) if s is None), len(r)) for r in slots)
+        if granted < count and self.namespaces.groups > 1:
+            granted = 0  # a hybrid model's partial hit would leave the window's blocks of its
+            # new end unloaded (vLLM allocated those of the planned end): recompute it all
         if granted < count:
             self.stats.failure("evicted_before_load", count - granted)
         state.loading_ops = ops
