@@ -86,6 +86,9 @@ def test_chunks_cascade_into_kvcr_and_come_back_byte_exact() -> None:
         assert [np.array_equal(a, b) for a, b in zip(promote(manager, chunk_keys), data,
                                                      strict=True)] == [True] * 3
         assert tier.counts["promoted_chunks"] == 3
+        values = manager.get_stats().data["data"]  # what vLLM's /metrics exports
+        assert values["vllm:kvcr_tier_chunks"] == {("stored",): 3, ("promoted",): 3}
+        assert manager.get_stats().data["data"]["vllm:kvcr_tier_jobs"] == {(): 0}  # deltas
         ctx = ReqContext(req_id="unknown")
         manager.on_new_request(ctx)
         assert manager.lookup(keys(1, salt=9)[0], ctx) == LookupResult.MISS
@@ -200,3 +203,15 @@ def test_chunks_kvcr_evicted_are_forgotten_and_a_stale_hit_recomputes() -> None:
         assert tier.lookup(old[1], ctx) == LookupResult.MISS
     finally:
         manager.shutdown()
+
+
+def test_the_tiers_metrics_are_declared_to_vllm() -> None:
+    """Risk: the tier's counters reach vLLM's stats but no metric is declared for them, so
+    /metrics never shows them."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    declared = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": [
+        {"type": "KVCRPoolTier", "module_path": "kvcr_vllm.offload_tier"}]})
+    assert declared["vllm:kvcr_tier_chunks"].labelnames == ("event",)
+    assert declared["vllm:kvcr_tier_failures"].labelnames == ("reason",)
+    assert "vllm:kvcr_tier_jobs" in declared

@@ -31,6 +31,10 @@ kvcr_core.attach.settings), validated the same way; unknown keys are errors.
   the promotion, and the request recomputes); any other chunk costs one lookup round trip.
 - Faults: a Runner that cannot be reached, refuses or fails a copy makes lookups misses and
   jobs failures, counted; nothing raises into the scheduler.
+- Metrics, in vLLM's /metrics through the framework (`build_metric_definitions`,
+  `get_stats`): `vllm:kvcr_tier_chunks{event}` (stored, promoted, store_refused),
+  `vllm:kvcr_tier_failures{reason}` (runner_unavailable, queue_full, store_failed,
+  promotion_failed) and the gauge `vllm:kvcr_tier_jobs` (queued or running).
 Threading: vLLM's scheduler thread calls the tier; `_run` is the tier's thread.
 """
 
@@ -49,6 +53,9 @@ import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -72,6 +79,9 @@ from kvcr_core.keys import NamespaceSpec, router_hash_kvcr_v1
 from kvcr_core.types import KEY_BYTES, BlockKey
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
@@ -81,6 +91,11 @@ MAX_QUEUED_JOBS = 256  # jobs waiting for the tier's thread; more fail at once
 STORE_BATCH = 16  # chunks reserved, copied and committed at a time
 MAX_KNOWN = 65_536  # chunks known READY (router hashes), the oldest forgotten first
 FORGET_EVERY_S = 0.05  # how often the Runner's removal log is read
+CHUNKS_METRIC = "vllm:kvcr_tier_chunks"
+FAILURES_METRIC = "vllm:kvcr_tier_failures"
+JOBS_METRIC = "vllm:kvcr_tier_jobs"
+CHUNK_EVENTS = {"stored_chunks": "stored", "promoted_chunks": "promoted",
+                "store_refused": "store_refused"}
 FRAMEWORK_KEYS = frozenset({"locality"})  # passed through by vLLM's tier factory
 
 
@@ -135,6 +150,7 @@ class KVCRPoolTier(SecondaryTierManager):
                                        map_pages=True,
                                        runner_uids=self.settings.trusted_runner_uids)
         self.counts: collections.Counter[str] = collections.Counter()
+        self._reported: collections.Counter[str] = collections.Counter()  # by get_stats
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()  # the tier's thread remembers what it moved
         self._cursor: tuple[int, int] | None = None  # the removal log's (epoch, batch)
@@ -223,6 +239,35 @@ class KVCRPoolTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            CHUNKS_METRIC: OffloadingCounterMetadata(
+                documentation="Chunks kvcr's tier stored (cascaded from vLLM's primary tier), "
+                "promoted back into it, or was refused room for", labelnames=("event",)),
+            FAILURES_METRIC: OffloadingCounterMetadata(
+                documentation="kvcr tier faults, each a miss or a failed job (a recompute), "
+                "by reason", labelnames=("reason",)),
+            JOBS_METRIC: OffloadingGaugeMetadata(
+                documentation="kvcr tier jobs queued or running")}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What was counted since the last call, and the jobs in flight now."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        now = collections.Counter(self.counts)  # (a snapshot: the tier's thread counts too)
+        stats = OffloadingConnectorStats()
+        for name, n in (now - self._reported).items():
+            event = CHUNK_EVENTS.get(name)
+            stats.increase_counter(CHUNKS_METRIC if event else FAILURES_METRIC, n,
+                                   (event or name,))
+        self._reported = now
+        stats.set_gauge(JOBS_METRIC, self._busy)
+        return stats
 
     def drain_jobs(self) -> None:
         with self._idle:
