@@ -29,9 +29,9 @@ CHUNK = 64 * 1024
 CHUNKS = 8
 
 
-def offloading(engine_id: str, tier: dict[str, Any]) -> Any:
+def offloading(engine_id: str, tier: dict[str, Any], events: bool = False) -> Any:
     """vLLM's real tiering manager with kvcr's tier, as the OffloadingConnector builds it."""
-    return tiering_manager(engine_id, tier, chunk_bytes=CHUNK, chunks=CHUNKS)
+    return tiering_manager(engine_id, tier, chunk_bytes=CHUNK, chunks=CHUNKS, events=events)
 
 
 def keys(n: int, salt: int = 0) -> list[bytes]:
@@ -183,7 +183,7 @@ def test_chunks_kvcr_evicted_are_forgotten_and_a_stale_hit_recomputes() -> None:
     for a promotion that fails), or a stale HIT serves anything but a recompute."""
     from kvcr_vllm import offload_tier
 
-    manager = offloading("evict", {"pool_bytes": 6 * CHUNK})
+    manager = offloading("evict", {"pool_bytes": 6 * CHUNK}, events=True)
     tier = manager.secondary_tiers[0]
     capacity = tier.runner.stats().capacity_slots
     assert capacity <= CHUNKS  # (one store fits the primary tier)
@@ -201,6 +201,12 @@ def test_chunks_kvcr_evicted_are_forgotten_and_a_stale_hit_recomputes() -> None:
         settle(manager)  # the end of a step reads the Runner's removal log
         assert tier.lookup(old[0], ctx) == LookupResult.MISS
         assert tier.lookup(old[1], ctx) == LookupResult.MISS
+        # KV events: each chunk the tier stored announced once, the evicted ones removed
+        mine = [e for e in manager.take_events() if e.ownership == "KVCRPoolTier"]
+        stored = [k for e in mine if not e.removed for k in e.keys]
+        removed = {k for e in mine if e.removed for k in e.keys}
+        assert stored[:2] == old and len(stored) == len(set(stored)) == 2 + 2 * capacity
+        assert set(old) <= removed and len(removed) == len(stored) - capacity
     finally:
         manager.shutdown()
 

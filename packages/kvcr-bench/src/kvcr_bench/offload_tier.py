@@ -30,9 +30,9 @@ CHUNK = 2 * MIB
 
 
 def tiering_manager(engine_id: str, tier: dict[str, Any], *, chunk_bytes: int,
-                    chunks: int) -> Any:
+                    chunks: int, events: bool = False) -> Any:
     """vLLM's real tiering manager (CPU primary tier of `chunks` chunks) with kvcr's tier,
-    configured as the OffloadingConnector configures it."""
+    configured as the OffloadingConnector configures it (`events`: vLLM's KV events on)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -45,7 +45,7 @@ def tiering_manager(engine_id: str, tier: dict[str, Any], *, chunk_bytes: int,
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
                                       group_id=0),),
-        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": chunks * chunk_bytes, "secondary_tiers": [
             {"type": "KVCRPoolTier", "module_path": "kvcr_vllm.offload_tier", **tier}]},
         engine_id=f"{engine_id}-{os.getpid()}",

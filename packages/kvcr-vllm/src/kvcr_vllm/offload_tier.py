@@ -31,6 +31,11 @@ kvcr_core.attach.settings), validated the same way; unknown keys are errors.
   the promotion, and the request recomputes); any other chunk costs one lookup round trip.
 - Faults: a Runner that cannot be reached, refuses or fails a copy makes lookups misses and
   jobs failures, counted; nothing raises into the scheduler.
+- KV events (with vLLM's KV events on): a chunk this tier stored is announced stored (medium
+  CPU, owned by this tier), and announced removed once the Runner's removal log reports it
+  gone (all of them when the log cannot say: kvcr restarted, or this reader fell behind), so
+  a router credits what kvcr holds, never more. Chunks other engines stored are theirs to
+  announce. Bounded like the set of known chunks.
 - Metrics, in vLLM's /metrics through the framework (`build_metric_definitions`,
   `get_stats`): `vllm:kvcr_tier_chunks{event}` (stored, promoted, store_refused),
   `vllm:kvcr_tier_failures{reason}` (runner_unavailable, queue_full, store_failed,
@@ -54,6 +59,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
@@ -88,7 +94,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvcr_vllm")
 FIELD = "secondary_tiers[KVCRPoolTier]"
 MAX_QUEUED_JOBS = 256  # jobs waiting for the tier's thread; more fail at once
-STORE_BATCH = 16  # chunks reserved, copied and committed at a time
+STORE_BATCH = 16  # chunks reserved, copied and committed at a time (at most a quarter of
+# the pool's slots: a client may hold half of them FILLING or leased)
 MAX_KNOWN = 65_536  # chunks known READY (router hashes), the oldest forgotten first
 FORGET_EVERY_S = 0.05  # how often the Runner's removal log is read
 CHUNKS_METRIC = "vllm:kvcr_tier_chunks"
@@ -152,6 +159,9 @@ class KVCRPoolTier(SecondaryTierManager):
         self.counts: collections.Counter[str] = collections.Counter()
         self._reported: collections.Counter[str] = collections.Counter()  # by get_stats
         self._known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        self._announced: collections.OrderedDict[int, OffloadKey] = collections.OrderedDict()
+        self._events: collections.deque[OffloadingEvent] = collections.deque()
         self._known_lock = threading.Lock()  # the tier's thread remembers what it moved
         self._cursor: tuple[int, int] | None = None  # the removal log's (epoch, batch)
         self._next_forget = 0.0
@@ -198,21 +208,57 @@ class KVCRPoolTier(SecondaryTierManager):
             if self._cursor is None:
                 start = self.runner.removed_since(-1)
                 self._cursor = (start.epoch, start.seq)
+                self._forget_all()  # what was remembered before is not followed
                 return
             answer = self.runner.removed_since(self._cursor[1])
         except RunnerError:
             self.counts["runner_unavailable"] += 1
-            with self._known_lock:
-                self._known.clear()  # a Runner gone (restarting) may come back empty
+            self._forget_all()  # a Runner gone (restarting) may come back empty
             self._cursor = None
             return
-        with self._known_lock:
-            if answer.epoch != self._cursor[0] or answer.reset:
-                self._known.clear()  # restarted, or the log no longer reaches back
-            else:
-                for gone in answer.hashes[0]:
-                    self._known.pop(gone, None)
+        if answer.epoch != self._cursor[0] or answer.reset:
+            self._forget_all()  # restarted, or the log no longer reaches back
+        else:
+            gone = []
+            with self._known_lock:
+                for removed in answer.hashes[0]:
+                    self._known.pop(removed, None)
+                    key = self._announced.pop(removed, None)
+                    if key is not None:
+                        gone.append(key)
+            self._announce(gone, removed=True)
         self._cursor = (answer.epoch, answer.seq)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
+    def _forget_all(self) -> None:
+        with self._known_lock:
+            self._known.clear()
+            gone = list(self._announced.values())
+            self._announced.clear()
+        self._announce(gone, removed=True)
+
+    def _announce(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        if self._events_on and keys:
+            self._events.append(OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed,
+                                                ownership=self.tier_type))
+
+    def _stored(self, chunks: list[tuple[BlockKey, OffloadKey]]) -> None:
+        """Chunks this tier committed: announced stored (with KV events on)."""
+        if not self._events_on:
+            return
+        with self._known_lock:
+            for kvcr_key, key in chunks:
+                self._announced[router_hash_kvcr_v1(kvcr_key)] = key
+            dropped = []
+            while len(self._announced) > MAX_KNOWN:  # no longer followed: announced removed
+                dropped.append(self._announced.popitem(last=False)[1])
+        self._announce([key for _, key in chunks], removed=False)
+        self._announce(dropped, removed=True)
 
     def _remember(self, keys: Iterable[BlockKey]) -> None:
         with self._known_lock:
@@ -316,14 +362,16 @@ class KVCRPoolTier(SecondaryTierManager):
     def _store(self, job: TransferJob) -> JobResult:
         """Reserves, copies, hashes and commits `STORE_BATCH` chunks at a time (a client's
         slots in FILLING are bounded: a whole job at once could be refused in part)."""
-        keys = [self.kvcr_key(k) for k in job.keys]
+        offload_keys = list(job.keys)
+        keys = [self.kvcr_key(k) for k in offload_keys]
         chunks = [int(c) for c in job.chunk_ids]
         stored = refused = 0
         pool = self.runner.pool()
-        for start in range(0, len(keys), STORE_BATCH):
-            reservation = self.runner.reserve(keys[start:start + STORE_BATCH])
+        batch = max(1, min(STORE_BATCH, pool.capacity_slots // 4))  # (a client may hold half)
+        for start in range(0, len(keys), batch):
+            reservation = self.runner.reserve(keys[start:start + batch])
             granted = [(slot, chunk) for slot, chunk in
-                       zip(reservation.slots, chunks[start:start + STORE_BATCH], strict=True)
+                       zip(reservation.slots, chunks[start:start + batch], strict=True)
                        if slot is not None]
             sums = []
             try:
@@ -336,8 +384,9 @@ class KVCRPoolTier(SecondaryTierManager):
                 raise
             if granted:
                 self.runner.commit(reservation.op, sums)
-                self._remember(keys[start + i] for i, slot in enumerate(reservation.slots)
-                               if slot is not None)
+                new = [start + i for i, slot in enumerate(reservation.slots) if slot is not None]
+                self._remember(keys[i] for i in new)
+                self._stored([(keys[i], offload_keys[i]) for i in new])
             stored += len(granted)
             refused += reservation.refused
         self.counts["stored_chunks"] += stored
