@@ -113,6 +113,37 @@ def test_metrics_move_with_operations(runner: Runner, registry: CollectorRegistr
     assert sample(registry, "kvcr_index_operation_seconds_count", op="lookup") == 1
 
 
+def test_a_block_changed_between_copy_and_commit_fails_its_check(runner: Runner) -> None:
+    """Risk: a process of another uid that maps the pool (a shared tenant) punches or
+    rewrites a slot right after the writer copied into it; a checksum taken from the slot
+    then vouches for the attacker's bytes (zeros), and every verified load serves them."""
+    from kvcr_core.blockcopy import store_blocks
+    from kvcr_core.checksums import block_checksum
+
+    store = runner.open_namespace(SPEC, BLOCK)
+
+    class PunchedAfterCopy:
+        """The pool, with every slot zeroed right after the writer's copy."""
+
+        def write(self, slot: object, data: bytes) -> None:
+            store.pool.write(slot, data)  # type: ignore[arg-type]
+            store.pool.view(slot)[:] = bytes(BLOCK)  # type: ignore[arg-type]
+
+        def view(self, slot: object) -> memoryview:
+            return store.pool.view(slot)  # type: ignore[arg-type]
+
+    keys = random_keys(2)
+    blocks = [pattern_block(k, BLOCK) for k in keys]
+    assert store_blocks(store, PunchedAfterCopy(), keys, blocks) == 2  # type: ignore[arg-type]
+    lease = store.acquire(keys)
+    slots = [s for s in lease.slots if s is not None]
+    committed = store.checksums.known(slots)
+    assert committed == [block_checksum(b) for b in blocks]  # what was meant to land
+    assert all(block_checksum(store.pool.view(s)) != c  # the zeros fail a verified load
+               for s, c in zip(slots, committed, strict=True))
+    store.release(lease.op)
+
+
 def test_failed_copy_aborts_the_reservation(runner: Runner) -> None:
     """A copy that raises leaves no READY block and no held slot."""
     store = runner.open_namespace(SPEC, BLOCK)

@@ -41,7 +41,10 @@ def store_blocks(owner: SlotOwner, pool: SlotPool, keys: Sequence[BlockKey],
         for slot, block in zip(res.slots, blocks, strict=True):
             if slot is not None:
                 pool.write(slot, block)
-                sums.append(block_checksum(pool.view(slot)))  # while it is in the cache
+                # of what was meant to land, not of the slot: a process of another uid that
+                # maps the pool (a shared tenant) could punch or change it between the copy
+                # and the hash, and the commit would then vouch for its bytes
+                sums.append(block_checksum(block))
     except BaseException:
         owner.abort(res.op)
         raise

@@ -378,7 +378,8 @@ class KVCRPoolTier(SecondaryTierManager):
                 for slot, chunk in granted:
                     view = pool.view(SlotId(slot))
                     np.frombuffer(view, np.uint8)[:self.chunk_bytes] = self.primary[chunk]
-                    sums.append(block_checksum(view))
+                    sums.append(block_checksum(self.primary[chunk].data))  # the source's:
+                    # (a process of another uid mapping the pool could change the slot)
             except BaseException:
                 self.runner.abort(reservation.op)  # nothing half-written is published
                 raise
