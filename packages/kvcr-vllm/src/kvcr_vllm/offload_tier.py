@@ -52,7 +52,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -104,6 +104,7 @@ JOBS_METRIC = "vllm:kvcr_tier_jobs"
 CHUNK_EVENTS = {"stored_chunks": "stored", "promoted_chunks": "promoted",
                 "store_refused": "store_refused"}
 FRAMEWORK_KEYS = frozenset({"locality"})  # passed through by vLLM's tier factory
+T = TypeVar("T")
 
 
 def tier_namespace(spec: OffloadingSpec, chunk_bytes: int) -> NamespaceSpec:
@@ -126,6 +127,14 @@ def tier_namespace(spec: OffloadingSpec, chunk_bytes: int) -> NamespaceSpec:
                "kv_cache_layout": str(config.kv_cache_layout or ""),
                "canonical": str(bool(config.canonical_layout)).lower(),
                "groups": ",".join(str(g.tokens_per_block) for g in config.groups)})
+
+
+def drained(items: collections.deque[T]) -> list[T]:
+    """What `items` holds now, taken out (other threads may append meanwhile)."""
+    taken = []
+    while items:
+        taken.append(items.popleft())
+    return taken
 
 
 class KVCRPoolTier(SecondaryTierManager):
@@ -230,10 +239,7 @@ class KVCRPoolTier(SecondaryTierManager):
         self._cursor = (answer.epoch, answer.seq)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events = []
-        while self._events:
-            events.append(self._events.popleft())
-        return events
+        return drained(self._events)
 
     def _forget_all(self) -> None:
         with self._known_lock:
@@ -275,10 +281,7 @@ class KVCRPoolTier(SecondaryTierManager):
         self._submit(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        done = []
-        while self._done:
-            done.append(self._done.popleft())
-        return done
+        return drained(self._done)
 
     def has_pending_work(self) -> bool:
         return self._busy > 0 or bool(self._done)
